@@ -1,0 +1,182 @@
+"""The one backend seam: KV write, paged attention, RMSNorm and RoPE.
+
+`TorchBackend` is the CPU path and the reference; `inflight.attention_triton.TritonBackend` runs the
+Triton-language kernels from `inflight_kernels` (the default on CUDA). Both take the same flattened,
+unpadded batch described by `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch. T = scheduled tokens, B = scheduled sequences (queries are contiguous per seq)."""
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) for each new K/V
+    query_start_loc: torch.Tensor  # [B+1] int32
+    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
+    block_tables: torch.Tensor  # [B, max_blocks] int32 (unused entries are 0)
+    query_start_loc_np: np.ndarray  # host copies so no backend syncs with the device to plan work
+    seq_lens_np: np.ndarray
+    max_query_len: int
+    max_seq_len: int
+    cache: dict[str, Any] = field(default_factory=dict)  # per-step values a backend derives once, not per layer
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_np)
+
+    @property
+    def query_lens_np(self) -> np.ndarray:
+        return np.diff(self.query_start_loc_np)
+
+
+def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: tuple[torch.Tensor, torch.Tensor]):
+    cos, sin = cos_sin_cache  # each [max_pos, D/2]
+    return cos[positions], sin[positions]
+
+
+class TorchBackend:
+    """Reference implementations in plain torch; vectorized over the batch (decode rows in one shot)."""
+
+    name = "torch"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T]; negative = skip
+    ) -> None:
+        flat_k = k_cache.view(-1, *k_cache.shape[2:])
+        flat_v = v_cache.view(-1, *v_cache.shape[2:])
+        keep = slot_mapping >= 0
+        if not bool(keep.all()):
+            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+        flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
+        flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
+
+    def attention(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        out = torch.empty_like(query)
+        plan = meta.cache.get("torch_plan")
+        if plan is None:
+            plan = meta.cache["torch_plan"] = _plan(meta, k_cache.shape[1], query.device)
+        decode_rows, decode_tokens, decode_blocks, decode_lens, prefill = plan
+        if decode_rows is not None:
+            out[decode_tokens] = _decode_attention(
+                query[decode_tokens], k_cache, v_cache, decode_blocks, decode_lens, scale
+            )
+        for start, end, seq_len, blocks in prefill:
+            out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, blocks, seq_len, scale)
+        return out
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rms_norm(x + residual), x + residual) — the new residual stream."""
+        residual = x + residual
+        return self.rms_norm(residual, weight, eps), residual
+
+    def rope(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        positions: torch.Tensor,  # [T]
+        cos_sin_cache: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [max_pos, D/2] float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF rotate-half RoPE: x * cos + rotate_half(x) * sin, cos/sin repeated over both halves."""
+        cos, sin = rope_cos_sin(positions, cos_sin_cache)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+        return rotate(query), rotate(key)
+
+
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device):
+    """Split the batch once per step: decode rows (1 query token) batched together, prefill chunks alone."""
+    qlens = meta.query_lens_np
+    qsl = meta.query_start_loc_np
+    is_decode = qlens == 1
+    decode_rows = decode_tokens = decode_blocks = decode_lens = None
+    if is_decode.any():
+        rows = np.nonzero(is_decode)[0]
+        max_len = int(meta.seq_lens_np[rows].max())
+        nblk = -(-max_len // block_size)
+        idx = torch.from_numpy(rows).to(device)
+        decode_rows = idx
+        decode_tokens = torch.from_numpy(qsl[rows].astype(np.int64)).to(device)
+        decode_blocks = meta.block_tables[idx, :nblk].long()
+        decode_lens = meta.seq_lens[idx]
+    prefill = []
+    for r in np.nonzero(~is_decode & (qlens > 0))[0]:
+        seq_len = int(meta.seq_lens_np[r])
+        nblk = -(-seq_len // block_size)
+        prefill.append((int(qsl[r]), int(qsl[r + 1]), seq_len, meta.block_tables[r, :nblk].long()))
+    return decode_rows, decode_tokens, decode_blocks, decode_lens, prefill
+
+
+def _decode_attention(q, k_cache, v_cache, blocks, seq_lens, scale):
+    # q [B, Hq, D]; blocks [B, nblk]; one query per sequence attends to its whole context.
+    b, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    k = k_cache[blocks].flatten(1, 2)  # [B, L, Hkv, D]
+    v = v_cache[blocks].flatten(1, 2)
+    qg = q.view(b, hkv, hq // hkv, d).float()
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
+    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+    return out.reshape(b, hq, d).to(q.dtype)
+
+
+def _prefill_attention(q, k_cache, v_cache, blocks, seq_len, scale):
+    # q [Lq, Hq, D] are the last Lq positions of a context of seq_len tokens (a cached prefix may precede).
+    lq, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
+    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    q_pos = torch.arange(seq_len - lq, seq_len, device=q.device)
+    mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).float(),
+        k.transpose(0, 1).float(),
+        v.transpose(0, 1).float(),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=hq != hkv,
+    )
+    return out.transpose(0, 1).to(q.dtype)
+
+
+def get_backend(name: str) -> Any:
+    if name == "torch":
+        return TorchBackend()
+    if name == "triton":
+        from inflight.attention_triton import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"attention_backend={name!r} is invalid: must be torch or triton")

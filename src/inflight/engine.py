@@ -1,0 +1,282 @@
+"""LLMEngine: requests in, per-step deltas out. Owned by one thread; nothing else touches its state.
+
+step() = schedule → forward → sample → append → detokenize → finish/free → outputs + stats.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from inflight.block_manager import BlockManager
+from inflight.config import ConfigError, EngineConfig, ModelConfig
+from inflight.detokenizer import IncrementalDetokenizer, detokenize_batch
+from inflight.loader import load_model, load_tokenizer
+from inflight.model_runner import ModelRunner
+from inflight.outputs import RequestOutput, TokenLogprob
+from inflight.sampler import Sampler
+from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.scheduler import Scheduler
+from inflight.sequence import FinishReason, Sequence
+from inflight.stats import StepStats
+
+
+class LLMEngine:
+    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.device = torch.device(config.device)
+        ckpt_dtype = ModelConfig.from_dir(model_dir).torch_dtype
+        self.dtype = config.torch_dtype(ckpt_dtype)
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.eos_token_ids = set(mc.eos_token_ids)
+
+        self.num_kv_blocks = self._num_kv_blocks()
+        block_size = config.block_size
+        if config.kv_reservation == "max_length" and self.num_kv_blocks * block_size < self.max_model_len:
+            raise ConfigError(
+                f"kv_reservation='max_length' needs max_model_len={self.max_model_len} tokens per sequence but the "
+                f"KV cache holds {self.num_kv_blocks * block_size}; lower max_model_len or raise the KV budget"
+            )
+        self.block_manager = BlockManager(self.num_kv_blocks, block_size)
+        self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
+        self.runner = ModelRunner(
+            self.model,
+            self.num_kv_blocks,
+            block_size,
+            self.max_model_len,
+            self.dtype,
+            self.device,
+            config.resolved_attention_backend(),
+        )
+        self.sampler = Sampler(mc.vocab_size, sorted(self.eos_token_ids))
+        self._rng = random.Random(config.seed)
+        self._seqs: dict[str, Sequence] = {}
+        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        self._aborted: list[Sequence] = []
+        self.last_step_stats: StepStats | None = None
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.capture_logits = False  # tests: record every position's logits of every step
+        self.captured: list[tuple[str, list[int], torch.Tensor]] = []
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        else:
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * cfg.gpu_memory_utilization) - (1 << 30)  # 1 GiB headroom for activations
+        blocks = budget // per_block
+        if blocks < 1:
+            raise ConfigError(f"KV budget of {budget} bytes holds no block of {per_block} bytes")
+        # More blocks than max_num_seqs full-length sequences could ever use is wasted memory.
+        cap = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        return int(min(blocks, cap))
+
+    # ---- requests ---------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self._seqs:
+            raise InvalidRequestError(f"request_id={request_id!r} is already in flight")
+        token_ids = self._tokenize(prompt)
+        self._check_fits(len(token_ids), params)
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            seed=seed,
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            priority=priority,
+        )
+        self._seqs[request_id] = seq
+        self.counters["prompt_tokens"] += len(token_ids)
+        self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        self.scheduler.add(seq)
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty: give at least one character")
+            return self.tokenizer.encode(prompt).ids
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids is empty: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+        return list(prompt)
+
+    def _check_fits(self, num_prompt: int, params: SamplingParams) -> None:
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {num_prompt} tokens; it must be shorter than max_model_len={self.max_model_len}"
+            )
+        total = num_prompt + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens={params.max_tokens} is too large: prompt ({num_prompt} tokens) + max_tokens must be "
+                f"<= max_model_len={self.max_model_len}, so max_tokens <= {self.max_model_len - num_prompt}"
+            )
+        capacity = self.num_kv_blocks * self.config.block_size
+        if total > capacity:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt} tokens) + max_tokens={params.max_tokens} exceeds the KV cache capacity of "
+                f"{capacity} tokens"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_finished:
+            return
+        self.scheduler.finish(seq, FinishReason.ABORT)  # blocks go back now, not at the next step
+        self._aborted.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.waiting) + len(self.scheduler.running)
+
+    # ---- the loop -----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = [self._finish_output(seq, "", []) for seq in self._aborted]
+        self._aborted.clear()
+        sched = self.scheduler.schedule()
+        self.counters["preemptions"] = self.scheduler.num_preemptions
+        if not sched.seqs:
+            return outputs
+        num_running = len(self.scheduler.running)
+        num_decode = sum(
+            1 for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n == 1 and s.num_computed_tokens == s.num_tokens - 1
+        )
+        result = self.runner.execute(sched, all_logits=self.capture_logits)
+        if result.all_logits is not None:
+            self._capture(sched, result)
+        for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            seq.num_computed_tokens += n
+        sampling = [sched.seqs[i] for i in result.sample_rows]
+        sampled = self.sampler(result.logits, sampling) if sampling else None
+        outputs += self._process_samples(sampling, sampled)
+        self._record_stats(sched, num_running, num_decode, t0, result.forward_time_s)
+        return outputs
+
+    def _process_samples(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
+        if not seqs:
+            return []
+        now = time.monotonic()
+        tokens = sampled.token_ids.tolist()
+        logprobs = self._logprobs(seqs, sampled)
+        deltas = detokenize_batch([self._detoks[s.request_id] for s in seqs], [[t] for t in tokens])
+        outputs = []
+        for i, (seq, tok, (text, stop_hit)) in enumerate(zip(seqs, tokens, deltas)):
+            seq.output_token_ids.append(tok)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            new_lp = None
+            if logprobs is not None and logprobs[i] is not None:
+                new_lp = [logprobs[i]]
+                seq.cumulative_logprob += logprobs[i].logprob
+            reason = FinishReason.STOP if stop_hit else self._finish_reason(seq, tok)
+            if reason is None:
+                outputs.append(self._output(seq, text, [tok], new_lp, finished=False))
+                continue
+            if not stop_hit:
+                text += self._detoks[seq.request_id].flush()
+            self.scheduler.finish(seq, reason)
+            outputs.append(self._finish_output(seq, text, [tok], new_lp))
+        self.counters["generation_tokens"] += len(tokens)
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+        p = seq.sampling_params
+        n = len(seq.output_token_ids)
+        if n >= p.min_tokens and (
+            (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _logprobs(self, seqs: list[Sequence], sampled) -> list[TokenLogprob | None] | None:
+        if sampled.logprobs is None:
+            return None
+        lps = sampled.logprobs.tolist()
+        top_ids = sampled.top_ids.tolist() if sampled.top_ids is not None else None
+        top_lps = sampled.top_logprobs.tolist() if sampled.top_logprobs is not None else None
+        out: list[TokenLogprob | None] = []
+        for i, seq in enumerate(seqs):
+            n = seq.sampling_params.logprobs
+            if n is None:
+                out.append(None)
+                continue
+            top = dict(zip(top_ids[i][:n], top_lps[i][:n])) if top_ids is not None and n else {}
+            out.append(TokenLogprob(token_id=int(sampled.token_ids[i]), logprob=lps[i], top=top))
+        return out
+
+    def _output(self, seq, text, new_tokens, new_lp, finished) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            new_token_ids=new_tokens,
+            new_text=text,
+            finished=finished,
+            finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
+            new_logprobs=new_lp,
+            cumulative_logprob=seq.cumulative_logprob,
+            num_output_tokens=len(seq.output_token_ids),
+        )
+
+    def _finish_output(self, seq: Sequence, text: str, new_tokens: list[int], new_lp=None) -> RequestOutput:
+        seq.finished_time = time.monotonic()
+        del self._seqs[seq.request_id]
+        self._detoks.pop(seq.request_id, None)
+        return self._output(seq, text, new_tokens, new_lp, finished=True)
+
+    def _capture(self, sched, result) -> None:
+        qsl = result.query_start_loc
+        for i, seq in enumerate(sched.seqs):
+            a, b = int(qsl[i]), int(qsl[i + 1])
+            self.captured.append((seq.request_id, result.positions[a:b].tolist(), result.all_logits[a:b].clone()))
+
+    def _record_stats(self, sched, num_running: int, num_decode: int, t0: float, forward_time: float) -> None:
+        arrivals = [s.arrival_time for s in sched.seqs]
+        self.counters["steps"] += 1
+        self.last_step_stats = StepStats(
+            time=time.monotonic(),
+            num_running=num_running,
+            num_waiting=len(self.scheduler.waiting),
+            num_scheduled_seqs=len(sched.seqs),
+            num_scheduled_tokens=sched.total_tokens,
+            num_prefill_tokens=sched.total_tokens - num_decode,
+            num_decode_seqs=num_decode,
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_kv_blocks_total=self.block_manager.num_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            arrival_spread_s=max(arrivals) - min(arrivals),
+            step_time_s=time.perf_counter() - t0,
+            forward_time_s=forward_time,
+            max_num_seqs=self.config.max_num_seqs,
+        )

@@ -1,0 +1,79 @@
+"""Load an HF checkpoint directory (config.json, *.safetensors, tokenizer.json) — all or nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tokenizers import Tokenizer
+
+from inflight.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from inflight.models.llama import LlamaForCausalLM
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not weight_map:
+            raise ConfigError(f"{index}: has no 'weight_map'")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ConfigError(f"{index} lists shard(s) that are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{model_dir}: no *.safetensors file (and no model.safetensors.index.json)")
+    return files
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: missing (only HF fast tokenizers, tokenizer.json, are supported)")
+    return Tokenizer.from_file(str(path))
+
+
+def load_model(
+    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:  # from_dir already checks; kept for direct callers
+        raise ConfigError(f"{cfg.architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    expected = dict(model.state_dict())
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight", None)
+    loaded: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in expected:
+                    if cfg.tie_word_embeddings and name == "lm_head.weight":
+                        continue
+                    raise ConfigError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(expected[name].shape):
+                    raise ConfigError(
+                        f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                        f"config.json implies {tuple(expected[name].shape)}"
+                    )
+                loaded[name] = tensor.to(device=device, dtype=dtype)
+    missing = sorted(set(expected) - set(loaded))
+    if missing:
+        more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ConfigError(f"{model_dir}: checkpoint lacks tensor(s) {missing[:5]}{more}")
+    model.load_state_dict(loaded, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.eval().requires_grad_(False)
+    return model, cfg

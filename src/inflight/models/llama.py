@@ -1,0 +1,147 @@
+"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norm).
+
+Module names mirror the HF checkpoints so loading is a strict name-for-name copy. Every op that
+touches the paged cache, norms or RoPE goes through the attention backend (`ops`), the one seam
+between the torch reference and the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from inflight.attention import AttentionMetadata
+from inflight.config import ModelConfig
+
+
+class RMSNormWeight(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNormWeight(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNormWeight(d, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.scale = d**-0.5
+
+    def forward(self, x, positions, meta, kv_cache, cos_sin, ops) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q = self.q_proj(x).view(t, self.num_heads, d)
+        k = self.k_proj(x).view(t, self.num_kv_heads, d)
+        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        if self.qk_norm:
+            q = ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps).view(t, -1, d)
+            k = ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps).view(t, -1, d)
+        q, k = ops.rope(q, k, positions, cos_sin)
+        k_cache, v_cache = kv_cache
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def init_rope(self, max_positions: int, device: torch.device) -> None:
+        inv_freq = rope_inv_freq(self.cfg)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.cos_sin = (freqs.cos().to(device), freqs.sin().to(device))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        ops: Any,
+    ) -> torch.Tensor:  # [T, hidden]
+        h = self.model.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            ln = layer.input_layernorm
+            if residual is None:
+                residual, x = h, ops.rms_norm(h, ln.weight, ln.eps)
+            else:
+                x, residual = ops.fused_add_rms_norm(h, residual, ln.weight, ln.eps)
+            x = layer.self_attn(x, positions, meta, kv_cache, self.cos_sin, ops)
+            ln = layer.post_attention_layernorm
+            x, residual = ops.fused_add_rms_norm(x, residual, ln.weight, ln.eps)
+            h = layer.mlp(x)
+        h, _ = ops.fused_add_rms_norm(h, residual, self.model.norm.weight, self.model.norm.eps)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq
+    # llama3: long wavelengths slowed by `factor`, short ones kept, a smooth blend in between (as HF does).
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

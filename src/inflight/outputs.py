@@ -1,0 +1,41 @@
+"""What the engine hands back: per-step deltas for streaming, whole results for `LLM.generate`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: dict[int, float]  # the N most likely tokens and their logprobs (raw model distribution)
+
+
+@dataclass
+class RequestOutput:
+    """One request's progress in one engine step. Streaming clients send `new_text` as it comes."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    new_text: str  # the delta; "" while text is held back (partial UTF-8 char or possible stop string)
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    new_logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
+    num_output_tokens: int = 0
+
+
+@dataclass
+class CompletionOutput:
+    """One request's whole result, as `LLM.generate` returns it (vLLM's shape, flattened)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+    cumulative_logprob: float = 0.0
+    metrics: dict[str, float] = field(default_factory=dict)
