@@ -41,15 +41,15 @@ DEMO_CONFIG = {
     "torch_dtype": "float32",
 }
 
-_WORDS = (
-    "the a an of to in on at by for with from into over under model token batch block cache "
-    "request stream server engine kernel memory queue step sequence prompt answer river mountain "
-    "city light night morning story music garden window ocean forest bright quiet fast slow small "
-    "large new old red blue green warm cold runs flows sings reads writes builds waits moves turns "
-    "grows falls rises shines learns keeps sends gives takes finds makes sees knows thinks and but "
-    "or so because while when where which that this those these it they we you he she is are was "
-    "were be been has have had will would can could should may might must not very more most"
-).split()
+_WORDS = """
+the a an of to in on at by for with from into over under model token batch block cache request
+stream server engine kernel memory queue step sequence prompt answer river mountain city light
+night morning story music garden window ocean forest bright quiet fast slow small large new old
+red blue green warm cold runs flows sings reads writes builds waits moves turns grows falls
+rises shines learns keeps sends gives takes finds makes sees knows thinks and but or so because
+while when where which that this those these it they we you he she is are was were be been has
+have had will would can could should may might must not very more most
+""".split()  # noqa: SIM905 - a word list reads better as text
 _MULTIBYTE = ["héllo", "wörld", "café", "naïve", "日本語", "東京", "über", "señor", "🙂", "🚀", "Ωmega", "π"]
 
 
@@ -150,7 +150,9 @@ def write_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2)
     )
-    save_file(build_weights(cfg, seed, _fragment_token_ids(tok)), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        build_weights(cfg, seed, _fragment_token_ids(tok)), str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     # config.json last: its presence marks a complete checkpoint for callers that create it lazily.
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

@@ -167,7 +167,9 @@ class LLMEngine:
             return outputs
         num_running = len(self.scheduler.running)
         num_decode = sum(
-            1 for s, n in zip(sched.seqs, sched.num_scheduled_tokens) if n == 1 and s.num_computed_tokens == s.num_tokens - 1
+            1
+            for s, n in zip(sched.seqs, sched.num_scheduled_tokens)
+            if n == 1 and s.num_computed_tokens == s.num_tokens - 1
         )
         result = self.runner.execute(sched, all_logits=self.capture_logits)
         if result.all_logits is not None:
@@ -212,9 +214,7 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         p = seq.sampling_params
         n = len(seq.output_token_ids)
-        if n >= p.min_tokens and (
-            (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
-        ):
+        if n >= p.min_tokens and ((tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return FinishReason.STOP
         if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
