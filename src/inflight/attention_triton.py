@@ -1,0 +1,73 @@
+"""The attention backend that runs the Triton-language kernels of `inflight_kernels`.
+
+Same methods and semantics as `inflight.attention.TorchBackend`. On CUDA the kernels are compiled;
+on a CPU they run only under `TRITON_INTERPRET=1` (slow, for tests). The per-step attention plan
+(query tiles, split-K choice) is made once per step from host arrays and shared by all layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from inflight_kernels.kv_write import write_kv
+from inflight_kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
+from inflight_kernels.rms_norm import fused_add_rms_norm, rms_norm
+from inflight_kernels.rope import rotary_embedding
+
+from inflight.attention import AttentionMetadata
+
+
+class TritonBackend:
+    name = "triton"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [T]; negative = skip
+    ) -> None:
+        write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+    def attention(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        plan = self._plan(meta, query.shape[1], k_cache.shape[2], query.device)
+        return paged_attention(
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, plan
+        )
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def fused_add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (rms_norm(x + residual), x + residual) — the new residual stream."""
+        return fused_add_rms_norm(x, residual, weight, eps)
+
+    def rope(
+        self,
+        query: torch.Tensor,  # [T, Hq, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        positions: torch.Tensor,  # [T]
+        cos_sin_cache: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [max_pos, D/2] float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotates query and key in place and returns them."""
+        cos, sin = cos_sin_cache
+        return rotary_embedding(query, key, positions, cos, sin)
+
+    @staticmethod
+    def _plan(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, device: torch.device) -> AttentionPlan:
+        key = f"triton_plan:{num_q_heads}:{num_kv_heads}"
+        plan = meta.cache.get(key)
+        if plan is None:
+            plan = meta.cache[key] = plan_attention(
+                meta.query_start_loc_np, meta.seq_lens_np, num_q_heads, num_kv_heads, device
+            )
+        return plan
