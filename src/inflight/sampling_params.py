@@ -39,8 +39,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                _fail(name, getattr(self, name), "a list")
+            setattr(self, name, list(getattr(self, name)))
         self._check_types()
         if self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, ">= 1")

@@ -1,0 +1,24 @@
+# Production image: NVIDIA's Triton server (its own tritonserver, Python backend and CUDA) + this project,
+# installed by the same script `make install` and CI run.
+#   docker build -t inflight .
+#   docker run --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 inflight
+#   docker run ... inflight inflight serve --model /models/my-checkpoint --max-num-seqs 128
+# 24.12 or newer: older Python backends garble STRING tensors under numpy 2 (python_backend #384) and
+# the gRPC frontend can crash on stream cancellation (server #7840).
+ARG TRITON_VERSION=25.01
+FROM nvcr.io/nvidia/tritonserver:${TRITON_VERSION}-py3
+
+# The image's Python is the system one (Ubuntu 24.04 marks it externally managed); the container is ours.
+ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
+    PYTHONUNBUFFERED=1 \
+    INFLIGHT_CACHE_DIR=/opt/inflight/.cache
+
+WORKDIR /opt/inflight
+COPY . .
+RUN bash scripts/install.sh system \
+ && python3 -m inflight.demo_model "$INFLIGHT_CACHE_DIR/demo_model"
+
+EXPOSE 8000 8001 8002
+# `inflight serve` finds /opt/tritonserver, serves a copy of model_repository/ (the demo model unless
+# --model is given) and stops tritonserver cleanly on SIGTERM (docker stop) or Ctrl-C.
+CMD ["inflight", "serve", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]

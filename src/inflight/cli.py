@@ -1,0 +1,116 @@
+"""The `inflight` command. Subcommands: `serve` (a real tritonserver on the model repository).
+
+Engine flags (`--max-num-seqs`, `--block-size`, ...) come from EngineConfig's fields, so every
+subcommand that builds an engine shares them: `add_engine_args(parser)` and `engine_args(namespace)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+from inflight.config import ATTENTION_BACKENDS, DTYPES, KV_RESERVATIONS, SCHEDULING_POLICIES, EngineConfig
+
+_HELP = {
+    "max_num_seqs": "most sequences in one step's batch",
+    "max_num_batched_tokens": "most tokens (prefill + decode) in one step",
+    "block_size": "tokens per KV cache block",
+    "num_kv_blocks": "KV cache capacity in blocks (overrides the memory budget)",
+    "kv_cache_memory_bytes": "KV cache budget in bytes on CPU",
+    "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",
+    "max_model_len": "longest prompt + output (default: the checkpoint's)",
+    "seed": "seed for requests that bring none",
+}
+_CHOICES = {
+    "dtype": ["auto", *DTYPES],
+    "scheduling_policy": list(SCHEDULING_POLICIES),
+    "kv_reservation": list(KV_RESERVATIONS),
+    "attention_backend": list(ATTENTION_BACKENDS),
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine", "EngineConfig fields; unset = the default")
+    for f in dataclasses.fields(EngineConfig):
+        base = f.type.split("|")[0].strip()
+        kind = {"int": int, "float": float}.get(base, str)
+        group.add_argument(
+            "--" + f.name.replace("_", "-"),
+            dest=f.name,
+            type=kind,
+            default=None,
+            choices=_CHOICES.get(f.name),
+            help=_HELP.get(f.name),
+        )
+
+
+def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
+    """The engine flags that were given, as EngineConfig keyword arguments."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in vars(ns).items() if k in names and v is not None}
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve the engine from a real tritonserver (gRPC streaming, HTTP, Prometheus metrics)",
+        description="Start tritonserver on the model repository; Ctrl-C stops it cleanly.",
+    )
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded demo model)")
+    p.add_argument("--http-port", type=int, default=8000, help="0 = any free port")
+    p.add_argument("--grpc-port", type=int, default=8001, help="0 = any free port")
+    p.add_argument("--metrics-port", type=int, default=8002, help="0 = any free port")
+    p.add_argument("--model-repository", default=None, help="default: the project's model_repository/")
+    p.add_argument("--step-log", default=None, help="append one JSON line of engine step stats per step here")
+    p.add_argument("--tritonserver", default=None, help="tritonserver binary (default: found automatically)")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver's --log-verbose level")
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other config.pbtxt parameter")
+    add_engine_args(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from inflight.launcher import LauncherError, TritonServer, serve
+
+    parameters: dict[str, object] = dict(engine_args(ns))
+    if ns.model is not None:
+        parameters["model"] = ns.model
+    if ns.step_log is not None:
+        parameters["step_log"] = ns.step_log
+    for item in ns.param:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"inflight serve: --param {item!r} must look like KEY=VALUE")
+        parameters[key] = value
+    try:
+        server = TritonServer(
+            ns.model_repository,
+            parameters,
+            http_port=ns.http_port,
+            grpc_port=ns.grpc_port,
+            metrics_port=ns.metrics_port,
+            log_verbose=ns.log_verbose,
+            tritonserver=ns.tritonserver,
+        )
+        return serve(server)
+    except LauncherError as e:
+        print(f"inflight serve: {e}", file=sys.stderr)
+        return 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="inflight", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

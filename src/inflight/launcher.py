@@ -1,0 +1,262 @@
+"""Run a real `tritonserver` (found by triton_dist.py) on a model repository; stop it cleanly.
+
+The model repository is always served from a generated copy in a temp dir: engine settings given on
+the command line are written into that copy's config.pbtxt `parameters`, and the source tree stays
+free of Triton's __pycache__ and per-run edits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+
+from inflight.triton_dist import LauncherError, find_server, prepare_backends, server_env
+
+__all__ = ["LauncherError", "TritonServer", "free_port", "serve", "write_model_repository"]
+
+MODEL_NAME = "llm"
+
+
+def default_model_repository() -> Path:
+    # src/inflight/launcher.py -> repository root; the package is installed editable (scripts/install.sh).
+    return Path(__file__).resolve().parents[2] / "model_repository"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- preparing the run directory --------------------------------------------------------------------
+
+
+def write_model_repository(
+    source: Path, dest: Path, parameters: Mapping[str, object] | None = None, model: str = MODEL_NAME
+) -> Path:
+    """Copy `source` to `dest`, setting `parameters` in `model`'s config.pbtxt."""
+    if not (source / model / "config.pbtxt").is_file():
+        raise LauncherError(f"{source} is not a model repository with a '{model}' model (no {model}/config.pbtxt)")
+    shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    config = dest / model / "config.pbtxt"
+    text = config.read_text()
+    for key, value in (parameters or {}).items():
+        text = set_parameter(text, key, "" if value is None else str(value))
+    config.write_text(text)
+    return dest
+
+
+def set_parameter(pbtxt: str, key: str, value: str) -> str:
+    """Set `parameters { key: KEY value: { string_value: VALUE } }` in config.pbtxt text, adding it if absent."""
+    quoted = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    pattern = re.compile(r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*)"(?:[^"\\]|\\.)*"')
+    if pattern.search(pbtxt):
+        return pattern.sub(lambda m: m.group(1) + quoted, pbtxt, count=1)
+    return pbtxt.rstrip("\n") + f'\nparameters {{ key: "{key}" value: {{ string_value: {quoted} }} }}\n'
+
+
+# ---- the server process -----------------------------------------------------------------------------
+
+
+class TritonServer:
+    """A tritonserver subprocess serving a generated copy of a model repository.
+
+    with TritonServer(parameters={"max_num_seqs": 8}, grpc_port=0) as server:
+        server.wait_ready()
+        ... server.grpc_url ...
+
+    A port of 0 picks a free one. `log` is a path to write the server's output to; None inherits the
+    terminal.
+    """
+
+    def __init__(
+        self,
+        model_repository: str | Path | None = None,
+        parameters: Mapping[str, object] | None = None,
+        *,
+        http_port: int = 8000,
+        grpc_port: int = 8001,
+        metrics_port: int = 8002,
+        log: str | Path | None = None,
+        log_verbose: int = 0,
+        tritonserver: str | Path | None = None,
+        exit_timeout_s: int = 10,
+        extra_args: list[str] | None = None,
+    ) -> None:
+        self.source = Path(model_repository) if model_repository else default_model_repository()
+        self.parameters = dict(parameters or {})
+        self.http_port = http_port or free_port()
+        self.grpc_port = grpc_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.log_path = Path(log) if log else None
+        self.log_verbose = log_verbose
+        self.exit_timeout_s = exit_timeout_s
+        self.extra_args = list(extra_args or [])
+        self.dist = find_server(tritonserver)
+        self.process: subprocess.Popen | None = None
+        self.run_dir: Path | None = None
+        self._log_file = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://localhost:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://localhost:{self.metrics_port}/metrics"
+
+    def command(self, repository: Path, backends: Path) -> list[str]:
+        return [
+            str(self.dist.executable),
+            f"--model-repository={repository}",
+            f"--backend-directory={backends}",
+            f"--http-port={self.http_port}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true",
+            f"--exit-timeout-secs={self.exit_timeout_s}",
+            f"--log-verbose={self.log_verbose}",
+            *self.extra_args,
+        ]
+
+    def start(self) -> TritonServer:
+        self.run_dir = Path(tempfile.mkdtemp(prefix="inflight-serve-"))
+        try:
+            repository = write_model_repository(self.source, self.run_dir / "model_repository", self.parameters)
+            backends = prepare_backends(self.dist, self.run_dir)
+            env = server_env(self.dist)
+        except BaseException:
+            self._cleanup()
+            raise
+        out = None
+        if self.log_path is not None:
+            self._log_file = out = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the server
+        # Own session: a terminal's Ctrl-C must reach only us, so that we stop tritonserver in order. A
+        # SIGINT to the whole group would also hit the backend stub, and tritonserver then waits its full
+        # exit timeout for a model that can no longer unload.
+        self.process = subprocess.Popen(
+            self.command(repository, backends),
+            env=env,
+            cwd=self.run_dir,
+            stdout=out,
+            stderr=subprocess.STDOUT if out is not None else None,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0, model: str = MODEL_NAME) -> None:
+        """Block until the model is ready; raise with the log's tail if the server dies first."""
+        deadline = time.monotonic() + timeout_s
+        url = f"{self.http_url}/v2/models/{model}/ready"
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                code = None if self.process is None else self.process.returncode
+                raise LauncherError(f"tritonserver exited with code {code} before '{model}' was ready{self._tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.25)
+        raise LauncherError(f"'{model}' not ready after {timeout_s:.0f}s{self._tail()}")
+
+    def _tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return ""
+        text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return "\n--- tritonserver log (tail) ---\n" + "\n".join(text)
+
+    def stop(self, timeout_s: float | None = None) -> int | None:
+        """SIGINT (graceful: in-flight requests finish, models finalize), then SIGKILL the group."""
+        proc = self.process
+        code = None
+        if proc is not None:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+            try:
+                code = proc.wait(timeout=timeout_s if timeout_s is not None else self.exit_timeout_s + 10)
+            except subprocess.TimeoutExpired:
+                code = None
+            # The stub lives in the server's session; kill whatever is left of it either way.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            if code is None:
+                code = proc.wait()
+        self._cleanup()
+        return code
+
+    def _cleanup(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            self.run_dir = None
+
+    def __enter__(self) -> TritonServer:
+        return self.start() if self.process is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the launching thread dies without stopping it (Linux).
+
+    (The kernel ties this to the thread that forked: start servers from a long-lived thread.)
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def serve(server: TritonServer) -> int:
+    """Run in the foreground until the server exits or Ctrl-C / SIGTERM; return its exit code."""
+    stop_requested = False
+
+    def request_stop(signum, _frame) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.start()
+        print(
+            f"inflight: tritonserver {server.dist.executable} serving {MODEL_NAME!r}: gRPC {server.grpc_url}, "
+            f"HTTP {server.http_url}, metrics {server.metrics_url}",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop_requested and server.process is not None and server.process.poll() is None:
+            time.sleep(0.2)
+        if stop_requested:
+            print("inflight: stopping tritonserver ...", file=sys.stderr, flush=True)
+        code = server.stop()
+        return 0 if stop_requested else (code or 0)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        if server.process is not None and server.process.poll() is None:
+            server.stop()

@@ -1,0 +1,94 @@
+"""Engine metrics on Triton's metrics port, through the Python backend's `pb_utils.MetricFamily`.
+
+Gauges and counters are refreshed by the engine thread after every iteration from the engine's live
+state; the latency histograms are observed per request when its responses are sent (what the client
+sees). Every family is kept on `self`: a garbage-collected MetricFamily invalidates its metrics.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+E2E_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
+
+
+class TritonMetrics:
+    def __init__(self, pb_utils: ModuleType, labels: dict[str, str]) -> None:
+        family = pb_utils.MetricFamily
+        self._families = []
+
+        def make(name: str, description: str, kind, states: list[str] | None = None, buckets=None):
+            fam = family(name=name, description=description, kind=kind)
+            self._families.append(fam)
+            if states is None:
+                return fam.Metric(labels=labels, buckets=buckets) if buckets else fam.Metric(labels=labels)
+            return {s: fam.Metric(labels=labels | {"state": s}) for s in states}
+
+        gauge, counter, histogram = family.GAUGE, family.COUNTER, family.HISTOGRAM
+        self.requests = make("inflight_requests", "Requests in the engine by state", gauge, ["running", "waiting"])
+        self.kv_blocks = make("inflight_kv_blocks", "Paged KV cache blocks by state", gauge, ["used", "free"])
+        self.occupancy = make(
+            "inflight_batch_occupancy_ratio", "Running sequences / max_num_seqs after the last step", gauge
+        )
+        self.arrival_spread = make(
+            "inflight_batch_arrival_spread_seconds",
+            "Latest minus earliest arrival among the sequences of the last step (> 0: in-flight batching)",
+            gauge,
+        )
+        self.max_arrival_spread = make(
+            "inflight_batch_arrival_spread_max_seconds", "Largest arrival spread of any step so far", gauge
+        )
+        self.preemptions = make("inflight_preemptions_total", "Sequences preempted (KV freed, recomputed)", counter)
+        self.prompt_tokens = make("inflight_prompt_tokens_total", "Prompt tokens admitted", counter)
+        self.generation_tokens = make("inflight_generation_tokens_total", "Tokens generated", counter)
+        self.ttft = make(
+            "inflight_time_to_first_token_seconds", "Request arrival to first text sent", histogram, None, TTFT_BUCKETS
+        )
+        self.tpot = make(
+            "inflight_time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request",
+            histogram,
+            None,
+            TPOT_BUCKETS,
+        )
+        self.e2e = make(
+            "inflight_e2e_request_latency_seconds", "Request arrival to final response", histogram, None, E2E_BUCKETS
+        )
+        self._counted = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._max_spread = 0.0
+        self._steps_seen = -1
+
+    def update(self, engine) -> None:
+        """Refresh from the engine's live state (engine thread only)."""
+        # Counters before gauges: a reader that sees the gauges of this iteration sees its counters too.
+        for key, metric in (
+            ("preemptions", self.preemptions),
+            ("prompt_tokens", self.prompt_tokens),
+            ("generation_tokens", self.generation_tokens),
+        ):
+            value = engine.counters.get(key, 0)
+            if value > self._counted[key]:
+                metric.increment(value - self._counted[key])
+                self._counted[key] = value
+        scheduler, blocks = engine.scheduler, engine.block_manager
+        self.requests["running"].set(len(scheduler.running))
+        self.requests["waiting"].set(len(scheduler.waiting))
+        self.kv_blocks["used"].set(blocks.num_used_blocks)
+        self.kv_blocks["free"].set(blocks.num_free_blocks)
+        self.occupancy.set(len(scheduler.running) / engine.config.max_num_seqs)
+        stats, steps = engine.last_step_stats, engine.counters.get("steps", 0)
+        if stats is not None and steps != self._steps_seen:
+            self._steps_seen = steps
+            self.arrival_spread.set(stats.arrival_spread_s)
+            if stats.arrival_spread_s > self._max_spread:
+                self._max_spread = stats.arrival_spread_s
+                self.max_arrival_spread.set(self._max_spread)
+
+    def observe_request(self, ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+        self.e2e.observe(e2e_s)

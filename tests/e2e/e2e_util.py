@@ -1,0 +1,79 @@
+"""Helpers shared by the e2e tests: Prometheus scraping and polling."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.error
+import urllib.request
+
+# Small enough for 2 CPU cores, big enough that 32 concurrent streams queue up (max_num_seqs) and
+# long requests can be cancelled mid-stream.
+ENGINE_ARGS = {
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 256,
+    "block_size": 16,
+    "num_kv_blocks": 96,
+    "max_model_len": 512,
+}
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def scrape(metrics_url: str) -> dict[tuple[str, frozenset], float]:
+    """Prometheus text -> {(name, frozenset of label pairs): value}."""
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    samples = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        samples[(m.group(1), labels)] = float(m.group(3))
+    return samples
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    want = {("model", "llm"), ("version", "1"), *labels.items()}
+    found = [v for (n, ls), v in samples.items() if n == name and want <= ls]
+    assert len(found) == 1, f"{name}{labels}: {len(found)} samples"
+    return found[0]
+
+
+def wait_for(condition, timeout_s: float = 15.0, interval_s: float = 0.1):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval_s)
+
+
+def settled(server, timeout_s: float = 15.0) -> dict:
+    """Metrics once the engine is idle (its counters are updated in the same iteration as the gauges)."""
+
+    def idle():
+        samples = scrape(server.metrics_url)
+        running = metric(samples, "inflight_requests", state="running")
+        waiting = metric(samples, "inflight_requests", state="waiting")
+        return samples if running == 0 and waiting == 0 else None
+
+    samples = wait_for(idle, timeout_s)
+    assert samples, f"engine still busy after {timeout_s} s"
+    return samples
+
+
+def http_generate(server, body: dict) -> tuple[int, dict]:
+    """POST to Triton's HTTP generate endpoint; (HTTP status, JSON reply)."""
+    request = urllib.request.Request(
+        f"{server.http_url}/v2/models/llm/generate",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())

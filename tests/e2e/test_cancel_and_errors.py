@@ -1,0 +1,118 @@
+"""Cancellation frees KV blocks at once; bad requests get INVALID_ARG and the server keeps serving."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+from e2e_util import ENGINE_ARGS, http_generate, metric, scrape, settled, wait_for
+from helpers import PROMPTS
+from inflight_client import InferenceError
+
+
+def test_cancel_mid_stream_returns_kv_blocks(client, server):
+    before = metric(settled(server), "inflight_generation_tokens_total")
+    max_tokens = 400
+    stream = client.stream(PROMPTS[4], {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+    for _ in range(3):
+        next(stream)
+    during = scrape(server.metrics_url)
+    assert metric(during, "inflight_kv_blocks", state="used") > 0
+    assert metric(during, "inflight_requests", state="running") == 1
+
+    stream.cancel()
+    assert list(stream) == []
+    assert stream.completion.finish_reason == "cancelled"
+
+    def blocks_back():
+        samples = scrape(server.metrics_url)
+        return samples if metric(samples, "inflight_kv_blocks", state="used") == 0 else None
+
+    after = wait_for(blocks_back, timeout_s=10)
+    assert after, "KV blocks still in use after the cancel"
+    assert metric(after, "inflight_requests", state="running") == 0
+    assert metric(after, "inflight_kv_blocks", state="free") == ENGINE_ARGS["num_kv_blocks"]
+    generated = metric(settled(server), "inflight_generation_tokens_total") - before
+    assert generated < max_tokens, "the server kept generating after the cancel"
+
+    # The server is still healthy.
+    assert client.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 4}).text
+
+
+@dataclass
+class Bad:
+    text: bytes | None = b"Hello world"
+    sampling: bytes | None = None
+    flags: dict = field(default_factory=dict)
+    mention: str = ""
+
+    def tensors(self) -> dict[str, np.ndarray]:
+        tensors = {name: np.array([value]) for name, value in self.flags.items()}
+        if self.text is not None:
+            tensors["text_input"] = np.array([self.text], dtype=np.object_)
+        if self.sampling is not None:
+            tensors["sampling_parameters"] = np.array([self.sampling], dtype=np.object_)
+        return tensors
+
+    def http_body(self) -> dict | None:
+        """The same request for Triton's HTTP generate endpoint; None if JSON cannot carry it."""
+        try:
+            body = {k: v.decode() for k, v in (("text_input", self.text), ("sampling_parameters", self.sampling)) if v}
+        except UnicodeDecodeError:
+            return None
+        if self.text == b"":
+            body["text_input"] = ""
+        return body | self.flags
+
+
+BAD_REQUESTS = {
+    "missing text_input": Bad(text=None, mention="text_input"),
+    "empty text_input": Bad(text=b"", mention="text_input"),
+    "non-UTF-8 text_input": Bad(text=b"caf\xe9 \xff", mention="UTF-8"),
+    "invalid JSON": Bad(sampling=b'{"max_tokens": 4', mention="JSON"),
+    "sampling_parameters not an object": Bad(sampling=b"[1, 2]", mention="JSON object"),
+    "non-UTF-8 sampling_parameters": Bad(sampling=b'{"stop": "\xff"}', mention="UTF-8"),
+    "unknown sampling key": Bad(sampling=b'{"max_tokenz": 4}', mention="max_tokenz"),
+    "temperature out of range": Bad(sampling=b'{"temperature": -1}', mention="temperature"),
+    "top_p out of range": Bad(sampling=b'{"top_p": 1.5}', mention="top_p"),
+    "max_tokens zero": Bad(sampling=b'{"max_tokens": 0}', mention="max_tokens"),
+    "max_tokens not a number": Bad(sampling=b'{"max_tokens": "many"}', mention="max_tokens"),
+    "max_tokens wrong type": Bad(sampling=b'{"max_tokens": [4]}', mention="max_tokens"),
+    # SamplingParams raises TypeError here (list(5)); the server still answers INVALID_ARG.
+    "stop wrong type": Bad(sampling=b'{"stop": 5}', mention="sampling_parameters"),
+    "prompt over max_model_len": Bad(text=b"the model " * 600, mention="max_model_len"),
+    "max_tokens over the limit": Bad(sampling=b'{"max_tokens": 100000}', mention="max_tokens"),
+    "stream without excluding the input": Bad(
+        flags={"stream": True, "exclude_input_in_output": False}, mention="exclude_input_in_output"
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_invalid_arg_and_server_keeps_serving(client, server, case):
+    bad = BAD_REQUESTS[case]
+    # gRPC streaming: the message names the field. (The status code travels on the gRPC stream only
+    # with tritonserver >= 2.53; see inflight_client.stream.)
+    with pytest.raises(InferenceError) as info:
+        client.stream_tensors(bad.tensors()).collect()
+    assert bad.mention in info.value.message
+    assert info.value.code in (None, "INVALID_ARGUMENT")
+    # HTTP generate carries Triton's error code as the HTTP status: INVALID_ARG -> 400 (INTERNAL -> 500).
+    body = bad.http_body()
+    if body is not None:
+        status, reply = http_generate(server, body)
+        assert status == 400, reply
+        assert bad.mention in reply["error"]
+
+    good = client.generate("Hello world", {"temperature": 0, "max_tokens": 3})
+    assert good.text and good.finish_reason in ("stop", "length")
+
+
+def test_limits_are_named_in_the_message(client):
+    with pytest.raises(InferenceError) as info:
+        client.generate("Hello", {"max_tokens": 100000})
+    assert "512" in info.value.message  # max_model_len of the test server
+    with pytest.raises(InferenceError) as info:
+        client.generate("Hello", {"top_p": 1.5})
+    assert "1.5" in info.value.message and "(0, 1]" in info.value.message

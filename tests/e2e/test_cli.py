@@ -1,0 +1,80 @@
+"""The command lines: `inflight-client` against the session's server; `inflight serve` start and Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from e2e_util import wait_for
+from helpers import PROMPTS
+
+from inflight import SamplingParams
+from inflight.launcher import LauncherError, TritonServer, free_port
+
+
+def test_client_cli_streams_text(server, offline_llm):
+    prompt = PROMPTS[0]
+    expected = offline_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16))[0].text
+    cmd = [sys.executable, "-m", "inflight_client.cli", prompt, "--url", server.grpc_url]
+    proc = subprocess.run(
+        cmd + ["--max-tokens", "16", "--temperature", "0"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == expected + "\n"
+    assert "TTFT" in proc.stderr and "tokens/s" in proc.stderr
+
+
+def test_client_cli_reports_bad_request(server):
+    cmd = [sys.executable, "-m", "inflight_client.cli", "Hello", "--url", server.grpc_url, "--top-p", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("inflight-client: top_p=2.0 is invalid")
+
+
+def test_bad_engine_parameter_fails_model_load_naming_it(tmp_path):
+    log = tmp_path / "server.log"
+    server = TritonServer(
+        parameters={"max_num_seqs": "lots"}, http_port=0, grpc_port=0, metrics_port=0, log=log
+    ).start()
+    try:
+        with pytest.raises(LauncherError) as info:
+            server.wait_ready(timeout_s=120)
+    finally:
+        server.stop()
+    assert "max_num_seqs" in str(info.value)
+
+
+def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
+    http, grpc, metrics = free_port(), free_port(), free_port()
+    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-num-seqs", "2", "--num-kv-blocks", "16",
+           "--max-model-len", "128"]  # fmt: skip
+    log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+
+        def ready() -> bool:
+            try:
+                return urllib.request.urlopen(f"http://localhost:{http}/v2/models/llm/ready", timeout=2).status == 200
+            except OSError:
+                return proc.poll() is not None  # died: stop waiting
+
+        assert wait_for(ready, timeout_s=180, interval_s=0.5) and proc.poll() is None
+        from inflight_client import LLMClient
+
+        assert LLMClient(f"localhost:{grpc}").generate("Hello", {"max_tokens": 4}).text
+        started = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
+        assert proc.wait(timeout=30) == 0
+        assert time.monotonic() - started < 30
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://localhost:{http}/v2/health/live", timeout=2)

@@ -1,0 +1,141 @@
+"""Streaming through a real tritonserver: same text as the offline engine, concurrency, in-flight joins."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from e2e_util import http_generate, metric, scrape, settled
+from helpers import PROMPTS
+
+from inflight import SamplingParams
+
+GREEDY = {"temperature": 0, "max_tokens": 24}
+
+
+@pytest.fixture(scope="module")
+def offline_greedy(offline_llm):
+    """The offline engine's greedy text for every prompt (the reference for the server)."""
+    outs = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    return {p: o.text for p, o in zip(PROMPTS, outs)}
+
+
+def test_streamed_greedy_text_equals_offline(client, offline_greedy):
+    for prompt in PROMPTS[:6]:
+        with client.stream(prompt, GREEDY) as stream:
+            deltas = list(stream)
+        done = stream.completion
+        assert done.text == offline_greedy[prompt], prompt
+        assert len(deltas) > 1, "a stream must carry the text in several responses"
+        assert all(d.text for d in deltas), "no empty intermediate responses"
+        assert done.finish_reason in ("stop", "length")
+        assert done.ttft_s is not None and done.ttft_s <= done.e2e_s
+
+
+def test_32_concurrent_streams_all_correct(client, offline_greedy):
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(32)]
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(lambda p: client.generate(p, GREEDY), prompts))
+    for prompt, done in zip(prompts, results):
+        assert done.text == offline_greedy[prompt], prompt
+
+
+def test_late_requests_join_the_running_batch(client, server, step_log):
+    """B and C arrive while A streams; they share steps with A instead of waiting for it to finish."""
+    long = {"temperature": 0, "max_tokens": 160, "ignore_eos": True}
+    since = time.time()
+    a = client.stream(PROMPTS[0], long)
+    t_a = time.monotonic()
+    next(a)  # A is running
+    t_b = time.monotonic()
+    b = client.stream(PROMPTS[1], {"temperature": 0, "max_tokens": 8})
+    c = client.stream(PROMPTS[2], {"temperature": 0, "max_tokens": 8})
+    first_b = next(b)
+    b_first_at = time.monotonic()
+    rest_c = c.collect()
+    b.collect()
+    a_done = a.collect()
+    a_finished_at = t_a + a_done.e2e_s
+    assert b_first_at < a_finished_at, "B waited for A to finish: no in-flight batching"
+    assert first_b.text and rest_c.text
+
+    steps = [json.loads(line) for line in step_log.read_text().splitlines()]
+    steps = [s for s in steps if s["wall_time"] >= since]
+    mixed = [s for s in steps if s["num_scheduled_seqs"] >= 2 and s["arrival_spread_s"] >= 0.5 * (t_b - t_a)]
+    assert mixed, "no step ran requests that arrived at different times"
+    assert metric(scrape(server.metrics_url), "inflight_batch_arrival_spread_max_seconds") > 0
+
+
+def test_priority_input_is_accepted(client, offline_greedy):
+    prompt = PROMPTS[5]
+    assert client.generate(prompt, GREEDY, priority=-3).text == offline_greedy[prompt]
+
+
+def test_non_streaming_sends_one_response_with_the_prompt(client, offline_greedy):
+    prompt = PROMPTS[1]
+    stream = client.stream(prompt, GREEDY, stream=False, exclude_input_in_output=False)
+    deltas = list(stream)
+    assert len(deltas) == 1
+    assert stream.completion.text == prompt + offline_greedy[prompt]
+    assert stream.completion.num_output_tokens > 0
+
+
+def test_http_generate_returns_the_whole_text(server, offline_greedy):
+    """Non-streaming through Triton's HTTP generate endpoint: one response, prompt prepended by default."""
+    prompt = PROMPTS[3]
+    status, reply = http_generate(server, {"text_input": prompt, "sampling_parameters": json.dumps(GREEDY)})
+    assert status == 200, reply
+    assert reply["text_output"] == prompt + offline_greedy[prompt]
+    body = {"text_input": prompt, "exclude_input_in_output": True, "sampling_parameters": json.dumps(GREEDY)}
+    assert http_generate(server, body)[1]["text_output"] == offline_greedy[prompt]
+
+
+def test_optional_outputs(client):
+    prompt = PROMPTS[0]
+    tensors = {
+        "text_input": np.array([prompt.encode()], dtype=np.object_),
+        "stream": np.array([True]),
+        "sampling_parameters": np.array(
+            [b'{"max_tokens": 6, "temperature": 0, "logprobs": 2, "ignore_eos": true}'], dtype=np.object_
+        ),
+        "return_finish_reason": np.array([True]),
+        "return_cumulative_logprob": np.array([True]),
+        "return_logprobs": np.array([True]),
+        "return_num_input_tokens": np.array([True]),
+        "return_num_output_tokens": np.array([True]),
+    }
+    stream = client.stream_tensors(tensors)
+    deltas = list(stream)
+    final = stream.completion.deltas[-1].outputs
+    assert stream.completion.finish_reason == "length"
+    assert sum(int(d.outputs["num_output_tokens"][0]) for d in stream.completion.deltas) == 6
+    assert all(int(d.outputs["num_input_tokens"][0]) > 0 for d in deltas)
+    assert float(final["cumulative_logprob"][0]) <= 0
+    logprobs = [entry for d in stream.completion.deltas for entry in json.loads(d.outputs["logprobs"][0])]
+    assert len(logprobs) == 6
+    assert all(v["logprob"] <= 0 and "decoded_token" in v for entry in logprobs for v in entry.values())
+
+
+@pytest.mark.parametrize("ignore_eos", [True, False])
+def test_genai_perf_vllm_payload_streams_n_tokens(client, server, ignore_eos):
+    """The payload exactly as genai-perf builds it for `--backend vllm` (strings for numbers)."""
+    n = 12
+    sampling = {"max_tokens": str(n)} | ({"ignore_eos": "true"} if ignore_eos else {})
+    tensors = {
+        "text_input": np.array([PROMPTS[2].encode()], dtype=np.object_),
+        "exclude_input_in_output": np.array([True]),
+        "stream": np.array([True]),
+        "sampling_parameters": np.array([json.dumps(sampling).encode()], dtype=np.object_),
+    }
+    before = metric(settled(server), "inflight_generation_tokens_total")
+    done = client.stream_tensors(tensors).collect()
+    generated = metric(settled(server), "inflight_generation_tokens_total") - before
+    assert done.text
+    assert not done.text.startswith(PROMPTS[2])
+    if ignore_eos:
+        assert generated == n
+    else:
+        assert 1 <= generated <= n
