@@ -41,7 +41,9 @@ class SamplingParams:
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
             if not isinstance(getattr(self, name), (list, tuple)):
-                _fail(name, getattr(self, name), "a list")
+                _fail(
+                    name, getattr(self, name), "a list" if name == "stop_token_ids" else "a string or a list of strings"
+                )
             setattr(self, name, list(getattr(self, name)))
         self._check_types()
         if self.max_tokens < 1:
