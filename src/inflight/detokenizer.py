@@ -1,0 +1,197 @@
+"""Incremental detokenization: text deltas that never split a UTF-8 character, get the spaces of
+byte-level BPE and SentencePiece tokenizers right, and never leak a stop string.
+
+vLLM's window scheme: decode a short window of ids (a few already-emitted tokens of context, then the
+new ones) and emit what it adds to the text of the context alone. Decoders are not concatenative (a
+SentencePiece decoder drops the leading space of the first token of each decode call, a byte-level
+one needs a character's bytes together, ByteFallback turns a whole run of <0xNN> tokens into U+FFFDs
+if the run does not start on a character), so the context is what makes the new text come out
+right: it always starts on a character boundary, and for the first output tokens it is the tail of
+the prompt.
+"""
+
+from __future__ import annotations
+
+import tokenizers
+
+_REPLACEMENT = "\ufffd"  # what the decoders produce for an incomplete UTF-8 byte sequence
+# Already-emitted tokens kept in the window as context (at least; more if characters are long).
+_CONTEXT = 3
+# Once the window holds this many tokens it restarts closer to its end: short decodes.
+_MAX_WINDOW = 6
+# How far back into the prompt to look for a context that starts on a character boundary.
+_MAX_PROMPT_CONTEXT = 24
+
+
+class IncrementalDetokenizer:
+    """One request's output text, streamed. The deltas concatenate to the text the output tokens add
+    after the prompt: `tokenizer.decode(output_ids)` for byte-level BPE; for SentencePiece-style
+    decoders it keeps the first token's leading space when there is a prompt (as vLLM does), which
+    `decode(output_ids)` alone would drop."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        prompt_token_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool = True,
+    ):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        # Every proper prefix of a stop string: a text tail in this set may still become a stop string.
+        self._stop_prefixes = {s[:i] for s in self.stop for i in range(1, len(s))}
+        self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
+        self._first_chars = {s[0] for s in self.stop}  # pending text without any: nothing to check
+        # Skipped special tokens are dropped before they reach the window, so the context is always real
+        # text: a window that started with a skipped token would lose the next token's leading space.
+        self._skipped = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._window, self._prefix_text = self._prompt_context(prompt_token_ids)
+        self._read = len(self._window)  # window[:read] is context, its text _prefix_text (None: to decode)
+        # Window positions known to be character boundaries (all text before them decoded): the places
+        # where the window may restart. 0 always is one.
+        self._marks = [0, self._read]
+        self._out: list[str] = []  # emitted deltas
+        self._pending = ""  # decoded text not emitted yet: it may begin a stop string
+        self._stopped = False
+
+    @property
+    def output_text(self) -> str:
+        """Everything emitted so far, flushed text included."""
+        if len(self._out) > 1:
+            self._out = ["".join(self._out)]
+        return self._out[0] if self._out else ""
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def update(self, new_token_ids: list[int]) -> tuple[str, bool]:
+        """Append tokens; return (text delta safe to emit now, stop_string_hit)."""
+        if self._stopped:
+            return "", True
+        self._push(new_token_ids)
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._window[: self._read])
+        return self._consume(self._decode(self._window))
+
+    def flush(self) -> str:
+        """The request finished for another reason (length, eos, abort): release any held-back text."""
+        if self._stopped:
+            return ""
+        if self._read < len(self._window):
+            if self._prefix_text is None:
+                self._prefix_text = self._decode(self._window[: self._read])
+            return self._consume(self._decode(self._window), final=True)[0]
+        return self._release(final=True)[0]
+
+    # -- a step is _push, decode, _consume: split so a batch can share one decode_batch call ------------
+
+    def _push(self, new_token_ids: list[int]) -> None:
+        if self._skipped:
+            self._window.extend(t for t in new_token_ids if t not in self._skipped)
+        else:
+            self._window.extend(new_token_ids)
+
+    def _consume(self, full: str, final: bool = False) -> tuple[str, bool]:
+        """Take the decoded window's text; emit what it adds to the context's."""
+        prefix = self._prefix_text
+        # Hold back while the window ends inside a character (decoders give U+FFFD for the partial
+        # bytes) or while its text is not yet past the context's (a token that completes nothing).
+        if final or (not full.endswith(_REPLACEMENT) and len(full) >= len(prefix)):
+            self._pending += full[len(prefix) :]
+            self._read = len(self._window)
+            self._prefix_text = full
+            self._marks.append(self._read)
+            if self._read > _MAX_WINDOW:
+                self._restart()
+        return self._release(final)
+
+    def _restart(self) -> None:
+        """Drop all but the last >= _CONTEXT tokens, cut at a character boundary; the new context's
+        text is decoded with the next step's window."""
+        start = max(m for m in self._marks if m <= self._read - _CONTEXT)
+        if start > 0:
+            self._window = self._window[start:]
+            self._read -= start
+            self._marks = [m - start for m in self._marks if m >= start]
+            self._prefix_text = None
+
+    def _prompt_context(self, prompt_token_ids: list[int]) -> tuple[list[int], str | None]:
+        """The shortest prompt tail of >= _CONTEXT tokens whose text has no U+FFFD (so it starts on a
+        character), with its text; else the last _CONTEXT tokens, text to be decoded."""
+        ids = self._keep(prompt_token_ids[-2 * _MAX_PROMPT_CONTEXT :])[-_MAX_PROMPT_CONTEXT:]
+        for n in range(min(_CONTEXT, len(ids)), len(ids) + 1):
+            text = self._decode(ids[-n:]) if n else ""
+            if _REPLACEMENT not in text:
+                return ids[len(ids) - n :], text
+        return ids[-_CONTEXT:], None
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        pending = self._pending
+        if not pending:
+            return "", False
+        if any(c in pending for c in self._first_chars):
+            # A stop string can only start in the pending text: an earlier start would have been a
+            # held-back prefix of it.
+            hit = -1
+            for stop in self.stop:
+                i = pending.find(stop)
+                if i >= 0 and (hit < 0 or i < hit):
+                    hit = i
+            if hit >= 0:
+                self._stopped = True
+                self._pending = ""
+                return self._emit(pending[:hit]), True
+            held = 0 if final else self._held_back(pending)
+            if held:
+                self._pending = pending[-held:]
+                return self._emit(pending[:-held]), False
+        self._pending = ""
+        return self._emit(pending), False
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._out.append(delta)
+        return delta
+
+    def _held_back(self, pending: str) -> int:
+        """Length of the longest tail of the pending text that could still begin a stop string."""
+        for k in range(min(self._max_hold, len(pending)), 0, -1):
+            if pending[-k:] in self._stop_prefixes:
+                return k
+        return 0
+
+    def _keep(self, ids: list[int]) -> list[int]:
+        return [t for t in ids if t not in self._skipped]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+
+def _special_ids(tokenizer: tokenizers.Tokenizer) -> frozenset[int]:
+    return frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
+def detokenize_batch(detoks: list[IncrementalDetokenizer], new_tokens: list[list[int]]) -> list[tuple[str, bool]]:
+    """`update` on every sequence, with one `decode_batch` call for all sequences sharing a tokenizer."""
+    results: list[tuple[str, bool]] = [("", True)] * len(detoks)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, d in enumerate(detoks):
+        if not d.stopped:
+            groups.setdefault((id(d.tokenizer), d.skip_special_tokens), []).append(i)
+    for (_, skip), members in groups.items():
+        windows = []
+        for i in members:
+            d = detoks[i]
+            d._push(new_tokens[i])
+            if d._prefix_text is None:
+                windows.append(d._window[: d._read])
+            windows.append(d._window)
+        texts = iter(detoks[members[0]].tokenizer.decode_batch(windows, skip_special_tokens=skip))
+        for i in members:
+            d = detoks[i]
+            if d._prefix_text is None:
+                d._prefix_text = next(texts)
+            results[i] = d._consume(next(texts))
+    return results

@@ -1,0 +1,358 @@
+"""Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p and seeded Gumbel-max.
+
+Batch invariance: a row's token depends only on its logits row, its params, its seed and its output
+index. The random part is Gumbel noise hashed from (seed, output index, vocab id) with integer ops, so
+no RNG state is shared between rows or steps, and the same token gets the same noise whether a row is
+sampled over the whole vocabulary or over a top-k window of it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from inflight.sampling_params import SamplingParams
+from inflight.sequence import Sequence
+
+# Below this a temperature is treated as greedy: logits / 1e-6 would overflow float32 softmax maths.
+_MIN_TEMPERATURE = 1e-5
+# Rows with top-k/top-p/min-p are sampled from a sorted window of their best tokens (the first window of
+# a top-p/min-p row holds _WINDOW), widened at least this much until the allowed set provably fits.
+_WINDOW = 64
+_WIDEN = 4
+
+_CPU_CHUNK_ELEMENTS = 1 << 17
+
+_M32 = 0xFFFFFFFF
+# lowbias32 (C. Wellons, hash-prospector) on uint32 values held in int64 lanes. The second constant is
+# stored minus 2**32: the low 32 bits of the product are the same and |value * constant| < 2**63.
+_C1 = 0x7FEB352D
+_C2 = 0x846CA68B - (1 << 32)
+_SEED_SALT = 0x243F6A88
+_ID_SALT = 0x85A308D3
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit avalanche hash, in place."""
+    x ^= x >> 16
+    x.mul_(_C1).bitwise_and_(_M32)
+    x ^= x >> 15
+    x.mul_(_C2).bitwise_and_(_M32)
+    x ^= x >> 16
+    return x
+
+
+def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One 32-bit key per (seed < 2**63, output index): distinct steps of one seed get distinct keys."""
+    k = _mix32_((seeds >> 32) ^ _SEED_SALT)
+    k = _mix32_(k ^ (seeds & _M32))
+    return _mix32_(k ^ (steps & _M32))
+
+
+def id_hashes(ids: torch.Tensor) -> torch.Tensor:
+    return _mix32_(ids.to(torch.int64) ^ _ID_SALT)
+
+
+def gumbel_noise(keys: torch.Tensor, hashed_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) noise [R, N] for row keys [R] and hashed vocab ids ([N] or [R, N])."""
+    x = _mix32_(keys[:, None] ^ hashed_ids)
+    # -u with u = x / 2**32 kept inside (0, 1); E = -log1p(-u) is exact for small u, where the Gumbel
+    # upper tail (rare tokens winning) is decided.
+    f = x.to(torch.float32).mul_(-(2.0**-32)).clamp_(-(1.0 - 2.0**-24), -(2.0**-33))
+    return f.log1p_().neg_().log_().neg_()
+
+
+def _gumbel_argmax(
+    scaled: torch.Tensor, keys: torch.Tensor, hashed: torch.Tensor, floor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """argmax(scaled + noise) per row over the whole vocabulary, among tokens >= the row's floor."""
+
+    def pick(rows: slice) -> torch.Tensor:
+        score = gumbel_noise(keys[rows], hashed).add_(scaled[rows])
+        if floor is not None:
+            score.masked_fill_(scaled[rows] < floor[rows, None], -math.inf)
+        return score.argmax(-1)
+
+    if scaled.device.type != "cpu":
+        return pick(slice(None))
+    # On CPU the ~20 elementwise passes are memory bound: run them on row chunks that stay in cache.
+    step = max(1, _CPU_CHUNK_ELEMENTS // scaled.shape[1])
+    out = torch.empty(scaled.shape[0], dtype=torch.int64)
+    for i in range(0, scaled.shape[0], step):
+        out[i : i + step] = pick(slice(i, i + step))
+    return out
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, sampled token under log_softmax(raw logits)
+    top_ids: torch.Tensor | None  # [B, N] int64, N = max logprobs asked in the batch
+    top_logprobs: torch.Tensor | None  # [B, N] float32
+
+
+class _TokenHistory:
+    """A sequence's prompt and output ids as CPU tensors for the penalties, the outputs grown in place:
+    a step costs O(new tokens) Python work per row, not a list-to-tensor copy of everything seen."""
+
+    def __init__(self, prompt_token_ids: list[int]):
+        self.prompt = torch.tensor(prompt_token_ids, dtype=torch.int64)
+        self._out = torch.empty(16, dtype=torch.int64)
+        self._capacity = 16
+        self._len = 0
+
+    def outputs(self, output_token_ids: list[int]) -> torch.Tensor:
+        n = len(output_token_ids)
+        if n < self._len:  # outputs only grow; rebuild rather than trust a shrunk list
+            self._len = 0
+        if n > self._capacity:
+            self._capacity = 2 * n
+            self._out = torch.cat([self._out[: self._len], torch.empty(self._capacity, dtype=torch.int64)])
+        if n == self._len + 1:
+            self._out[self._len] = output_token_ids[-1]
+        elif n > self._len:
+            self._out[self._len : n] = torch.tensor(output_token_ids[self._len :], dtype=torch.int64)
+        self._len = n
+        return self._out[:n]
+
+
+def _rows(idx: list[int], n: int, device: torch.device) -> slice | torch.Tensor:
+    """Index selecting `idx` out of n rows; a plain slice (a view, no copy) when it is all of them."""
+    return slice(None) if len(idx) == n else torch.tensor(idx, dtype=torch.int64, device=device)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class Sampler:
+    """Turns a step's logits [B, V] into one token per sequence. Ids >= vocab_size (padding columns of
+    the model's vocabulary) are never sampled. A temperature below 1e-5 is greedy; penalties and the
+    min_tokens mask apply to greedy rows too."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: list[int]):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._id_hash_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._history: weakref.WeakKeyDictionary[Sequence, _TokenHistory] = weakref.WeakKeyDictionary()
+
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+        """`logits` is left unmodified; penalties and masks work on a copy."""
+        num_rows = len(seqs)
+        vocab = min(self.vocab_size, logits.shape[1])
+        params = [s.sampling_params for s in seqs]
+
+        work = self.penalize(logits[:, :vocab], seqs)
+        sampled = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
+        if not sampled:
+            token_ids = work.argmax(-1)
+        else:
+            token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+            if len(sampled) < num_rows:
+                greedy = [i for i, p in enumerate(params) if p.temperature < _MIN_TEMPERATURE]
+                g = _rows(greedy, num_rows, logits.device)
+                token_ids[g] = work[g].argmax(-1)
+            s = _rows(sampled, num_rows, logits.device)
+            token_ids[s] = self._sample(work[s], [seqs[i] for i in sampled])
+        return self._logprobs(logits, token_ids, params, SamplerOutput(token_ids, None, None, None))
+
+    # -- logits processors (before temperature) -------------------------------------------------------
+
+    def penalize(self, work: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Repetition / presence / frequency penalties and the min_tokens mask (greedy rows too, as in
+        vLLM and HF). Returns `work` itself when no row needs either, else a modified copy."""
+        vocab = work.shape[1]
+        penalized, masked_rows, masked_ids = [], [], []
+        for i, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+                penalized.append(i)
+            if len(seq.output_token_ids) < p.min_tokens:
+                ids = [t for t in itertools.chain(self.eos_token_ids, p.stop_token_ids) if t < vocab]
+                masked_rows.extend([i] * len(ids))
+                masked_ids.extend(ids)
+        if not (penalized or masked_rows):
+            return work
+        work = work.clone()
+        if penalized:
+            self._apply_penalties_(work, penalized, [seqs[i] for i in penalized])
+        if masked_rows:
+            rows = torch.tensor(masked_rows, dtype=torch.int64, device=work.device)
+            work[rows, torch.tensor(masked_ids, dtype=torch.int64, device=work.device)] = -math.inf
+        return work
+
+    def _apply_penalties_(self, work: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+        # Only the tokens a sequence has seen are touched: index ops over those, not passes over [B, V].
+        vocab = work.shape[1]
+        params = [s.sampling_params for s in seqs]
+        histories = []
+        for s in seqs:
+            h = self._history.get(s)
+            if h is None:
+                h = self._history[s] = _TokenHistory(s.prompt_token_ids)
+            histories.append(h)
+        parts = [h.outputs(s.output_token_ids) for h, s in zip(histories, seqs)]
+        lens = [len(s.output_token_ids) for s in seqs]
+        with_prompt = any(p.repetition_penalty != 1.0 for p in params)
+        if with_prompt:
+            parts += [h.prompt for h in histories]
+            lens += [len(s.prompt_token_ids) for s in seqs]
+        ids = torch.cat(parts)  # output ids of every row, then prompt ids
+        copies = 2 if with_prompt else 1
+        lens_t = torch.tensor(lens)
+        # Per id: its row's offset in the flattened logits, and its row's penalties.
+        pos = torch.tensor([r * vocab for r in rows]).repeat(copies).repeat_interleave(lens_t) + ids
+        values = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
+        values = torch.tensor(values, dtype=work.dtype).repeat(copies, 1).repeat_interleave(lens_t, dim=0)
+        num_out = sum(lens[: len(seqs)])
+        if ids.numel() and int(ids.max()) >= vocab:  # ids past the sampled vocabulary have no logit
+            keep = ids < vocab
+            num_out = int(keep[:num_out].sum())
+            pos, values = pos[keep], values[keep]
+        pos = pos.to(work.device, non_blocking=True)
+        rep, pres, freq = values.to(work.device).unbind(1)
+
+        flat = work.view(-1)
+        # Duplicate positions write the same value, so plain (non-accumulating) index writes are exact.
+        if with_prompt:
+            # vLLM/HF: a token seen in the prompt or the output is made less likely whatever its sign.
+            seen = flat.index_select(0, pos)
+            flat.index_copy_(0, pos, torch.where(seen > 0, seen / rep, seen * rep))  # rep == 1: unchanged
+        # OpenAI: subtract presence once per distinct output token and frequency once per occurrence.
+        out = pos[:num_out]
+        flat.index_copy_(0, out, flat.index_select(0, out) - pres[:num_out])
+        flat.index_add_(0, out, -freq[:num_out])
+
+    # -- sampling -------------------------------------------------------------------------------------
+
+    def _hashed_vocab(self, vocab: int, device: torch.device) -> torch.Tensor:
+        key = (vocab, device)
+        if key not in self._id_hash_cache:
+            self._id_hash_cache[key] = id_hashes(torch.arange(vocab, device=device))
+        return self._id_hash_cache[key]
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        n, vocab = logits.shape
+        dev = logits.device
+        params = [s.sampling_params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        scaled = logits.float() / temps[:, None]
+        keys = row_keys(
+            torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
+            torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.int64, device=dev),
+        )
+        hashed = self._hashed_vocab(vocab, dev)
+        token_ids = torch.empty(n, dtype=torch.int64, device=dev)
+
+        plain, windows = [], {}
+        for i, p in enumerate(params):
+            top_k = p.top_k if 0 < p.top_k < vocab else 0
+            if top_k:
+                # One past k so that a tie at the k-th value is seen inside the window.
+                windows.setdefault(min(vocab, max(16, _next_pow2(top_k + 1))), []).append(i)
+            elif p.top_p < 1.0 or p.min_p > 0.0:
+                windows.setdefault(min(vocab, _WINDOW), []).append(i)
+            else:
+                plain.append(i)
+        if plain:
+            r = _rows(plain, n, dev)
+            token_ids[r] = _gumbel_argmax(scaled[r], keys[r], hashed)
+        # The window size of a row depends only on its params and its own logits: batch invariant.
+        floor_rows, floors = [], []
+        while windows:
+            size, idx = windows.popitem()
+            r = _rows(idx, n, dev)
+            picked, wider, floored = self._sample_window(scaled[r], keys[r], hashed, [params[i] for i in idx], size)
+            token_ids[r] = picked
+            for j, new_size in wider:
+                windows.setdefault(new_size, []).append(idx[j])
+            if floored is not None:
+                floor_rows += [idx[j] for j in floored[0].tolist()]
+                floors.append(floored[1])
+        if floor_rows:
+            r = _rows(floor_rows, n, dev)
+            token_ids[r] = _gumbel_argmax(scaled[r], keys[r], hashed, torch.cat(floors))
+        return token_ids
+
+    def _sample_window(
+        self,
+        scaled: torch.Tensor,
+        keys: torch.Tensor,
+        hashed: torch.Tensor,
+        params: list[SamplingParams],
+        size: int,
+    ) -> tuple[torch.Tensor, list[tuple[int, int]], tuple[torch.Tensor, torch.Tensor] | None]:
+        """Sample rows from their `size` best tokens. For the rows whose allowed set may not fit in the
+        window, which must be sampled again, also returns (row, wider size) pairs, and (rows, floors) for
+        those better sampled over the whole vocabulary among the tokens >= their floor."""
+        n, vocab = scaled.shape
+        dev = scaled.device
+        vals, ids = scaled.topk(size, dim=-1)  # sorted, best first
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=vals.dtype, device=dev)
+        min_p = torch.tensor([p.min_p for p in params], dtype=vals.dtype, device=dev)
+        has_k = top_k > 0
+
+        # Thresholds are logit values, so tied tokens are all in or all out whatever order topk gave.
+        neg_inf = torch.full((n,), -math.inf, dtype=vals.dtype, device=dev)
+        thr_k = torch.where(has_k, vals.gather(1, (top_k - 1).clamp(min=0)[:, None])[:, 0], neg_inf)
+        best = vals[:, :1]
+        probs = torch.exp(vals - best).masked_fill_(vals < thr_k[:, None], 0.0)  # unnormalized
+        cum = probs.cumsum(-1)
+        before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
+        # top-p's mass is over the top-k set, else over the whole row (which may extend past the window).
+        if any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in params):
+            total = torch.where(has_k, cum[:, -1], torch.exp(scaled - best).sum(-1))
+        else:
+            total = cum[:, -1]
+        keep = before < torch.where(top_p < 1.0, top_p * total, torch.full_like(total, math.inf))[:, None]
+        thr_p = vals.gather(1, (keep.sum(-1) - 1)[:, None])[:, 0]
+        thr_min = best[:, 0] + torch.log(min_p)  # p >= min_p * p_max, in logit space
+        thr = torch.maximum(torch.maximum(thr_k, thr_p), thr_min)
+
+        score = (vals + gumbel_noise(keys, hashed[ids])).masked_fill_(vals < thr[:, None], -math.inf)
+        picked = ids.gather(1, score.argmax(-1, keepdim=True))[:, 0]
+        if size == vocab:
+            return picked, [], None
+        last = vals[:, -1]
+        overflow = ((last >= torch.where(has_k, thr_k, thr)) & (last > -math.inf)).nonzero()[:, 0]
+        if overflow.numel() == 0:
+            return picked, [], None
+        # Every allowed token is >= max(k-th value, min-p threshold): counting those sizes the next
+        # window exactly; a top-p set is guessed from the window's share of the mass instead.
+        bound = torch.maximum(thr_k, thr_min)[overflow]
+        need = (size * 1.25 * top_p * total / cum[:, -1])[overflow].clamp(max=vocab).long()
+        bounded = [params[j].min_p > 0 or 0 < params[j].top_k < vocab for j in overflow.tolist()]
+        if any(bounded):
+            b = torch.tensor(bounded, device=dev)
+            count = (scaled[overflow[b]] >= bound[b, None]).sum(-1) + 1
+            open_p = ((top_p < 1.0) & ~has_k)[overflow[b]]
+            need[b] = torch.where(open_p, torch.minimum(need[b], count), count)
+        # Without top-p the bound is the allowed set: past a few hundred tokens a masked pass over the
+        # vocabulary is cheaper than sorting them.
+        floored = ((top_p >= 1.0)[overflow] & (need > max(_WINDOW, vocab // 64))).tolist()
+        wider = []
+        for j, m, f in zip(overflow.tolist(), need.tolist(), floored):
+            if not f:
+                wider.append((j, min(vocab, max(_WIDEN * size, _next_pow2(m)))))
+        f = torch.tensor(floored, device=dev)
+        return picked, wider, (overflow[f], bound[f]) if any(floored) else None
+
+    # -- logprobs -------------------------------------------------------------------------------------
+
+    def _logprobs(
+        self, logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams], out: SamplerOutput
+    ) -> SamplerOutput:
+        asked = [p.logprobs for p in params if p.logprobs is not None]
+        if not asked:
+            return out
+        raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        out.logprobs = raw.gather(1, token_ids[:, None])[:, 0]
+        top_n = max(asked)
+        if top_n > 0:
+            out.top_logprobs, out.top_ids = raw.topk(top_n, dim=-1)
+        return out
