@@ -139,17 +139,20 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device):
 
 
 def _decode_attention(q, k_cache, v_cache, blocks, seq_lens, scale):
-    # q [B, Hq, D]; blocks [B, nblk]; one query per sequence attends to its whole context.
+    # q [B, Hq, D]; blocks [B, nblk]; one query per sequence attends to its whole context. A KV head's
+    # query heads share one mask, so they ride in SDPA's query-length slot: each K/V tile serves its group.
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
-    k = k_cache[blocks].flatten(1, 2)  # [B, L, Hkv, D]
-    v = v_cache[blocks].flatten(1, 2)
-    qg = q.view(b, hkv, hq // hkv, d).float()
-    scores = torch.einsum("bhgd,blhd->bhgl", qg, k.float()) * scale
-    valid = torch.arange(k.shape[1], device=q.device)[None, :] < seq_lens[:, None]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, v.float())
+    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
+    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.view(b, hkv, hq // hkv, d).float(),
+        k.float(),
+        v.float(),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )
     return out.reshape(b, hq, d).to(q.dtype)
 
 
