@@ -80,7 +80,7 @@ BAD_REQUESTS = {
     "max_tokens not a number": Bad(sampling=b'{"max_tokens": "many"}', mention="max_tokens"),
     "max_tokens wrong type": Bad(sampling=b'{"max_tokens": [4]}', mention="max_tokens"),
     # SamplingParams raises TypeError here (list(5)); the server still answers INVALID_ARG.
-    "stop wrong type": Bad(sampling=b'{"stop": 5}', mention="sampling_parameters"),
+    "stop wrong type": Bad(sampling=b'{"stop": 5}', mention="stop=5"),
     "prompt over max_model_len": Bad(text=b"the model " * 600, mention="max_model_len"),
     "max_tokens over the limit": Bad(sampling=b'{"max_tokens": 100000}', mention="max_tokens"),
     "stream without excluding the input": Bad(
