@@ -138,13 +138,20 @@ def _plan(meta: AttentionMetadata, block_size: int, device: torch.device):
     return decode_rows, decode_tokens, decode_blocks, decode_lens, prefill
 
 
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """[B, nblk] block ids -> [B, nblk * block_size, Hkv, D] contiguous context."""
+    b, nblk = blocks.shape
+    return cache.index_select(0, blocks.reshape(-1)).view(b, nblk * cache.shape[1], *cache.shape[2:])
+
+
 def _decode_attention(q, k_cache, v_cache, blocks, seq_lens, scale):
     # q [B, Hq, D]; blocks [B, nblk]; one query per sequence attends to its whole context. A KV head's
     # query heads share one mask, so they ride in SDPA's query-length slot: each K/V tile serves its group.
     b, hq, d = q.shape
     hkv = k_cache.shape[2]
-    k = k_cache[blocks].flatten(1, 2).transpose(1, 2)  # [B, Hkv, L, D]
-    v = v_cache[blocks].flatten(1, 2).transpose(1, 2)
+    # index_select, not k_cache[blocks]: on CPU it gathers ~6x faster than advanced indexing.
+    k = _gather(k_cache, blocks).transpose(1, 2)  # [B, Hkv, L, D]
+    v = _gather(v_cache, blocks).transpose(1, 2)
     valid = torch.arange(k.shape[2], device=q.device)[None, :] < seq_lens[:, None]
     out = F.scaled_dot_product_attention(
         q.view(b, hkv, hq // hkv, d).float(),
@@ -160,8 +167,8 @@ def _prefill_attention(q, k_cache, v_cache, blocks, seq_len, scale):
     # q [Lq, Hq, D] are the last Lq positions of a context of seq_len tokens (a cached prefix may precede).
     lq, hq, d = q.shape
     hkv = k_cache.shape[2]
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [L, Hkv, D]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]
+    k = _gather(k_cache, blocks[None])[0, :seq_len]  # [L, Hkv, D]
+    v = _gather(v_cache, blocks[None])[0, :seq_len]
     q_pos = torch.arange(seq_len - lq, seq_len, device=q.device)
     mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
     out = F.scaled_dot_product_attention(
