@@ -16,7 +16,7 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
 WORKDIR /opt/inflight
 COPY . .
 RUN bash scripts/install.sh system \
- && python3 -m inflight.demo_model "$INFLIGHT_CACHE_DIR/demo_model"
+ && python3 -c "from inflight.demo_model import cached_demo_model; cached_demo_model()"
 
 EXPOSE 8000 8001 8002
 # `inflight serve` finds /opt/tritonserver, serves a copy of model_repository/ (the demo model unless

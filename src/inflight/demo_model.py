@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+# Bump when the generated checkpoint changes, so caches keyed on it (`demo_cache_name`) are rebuilt.
+DEMO_MODEL_VERSION = 1
+DEMO_MODEL_VERSION = 1  # bump when the generated checkpoint changes
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -156,6 +162,27 @@ def write_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
     # config.json last: its presence marks a complete checkpoint for callers that create it lazily.
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
+
+
+def demo_cache_name() -> str:
+    return f"demo_model-v{DEMO_MODEL_VERSION}"
+
+
+def cached_demo_model() -> Path:
+    """The embedded default, written once under $INFLIGHT_CACHE_DIR (~/.cache/inflight); atomic, so
+    concurrent servers agree. The directory name carries DEMO_MODEL_VERSION: a changed generator rebuilds."""
+    cache = Path(os.environ.get("INFLIGHT_CACHE_DIR") or Path.home() / ".cache" / "inflight")
+    target = cache / f"demo_model-v{DEMO_MODEL_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".demo_model-", dir=cache))
+    write_demo_model(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # someone else finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 def ensure_demo_model(out_dir: str | Path) -> Path:

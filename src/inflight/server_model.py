@@ -16,17 +16,15 @@ import itertools
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from inflight.config import ConfigError, EngineConfig
+from inflight.demo_model import cached_demo_model
 from inflight.engine import LLMEngine
 from inflight.engine_loop import EngineLoop, ErrorKind, Submission
 from inflight.outputs import RequestOutput, TokenLogprob
@@ -74,7 +72,7 @@ class ServerSettings:
                 kwargs[name] = _parse(name, raw.strip(), engine_fields[name].type)
         config = EngineConfig.from_kwargs(kwargs)
         model = parameters.get("model", "").strip()
-        return cls(model or str(demo_model_dir()), config, parameters.get("step_log", "").strip() or None)
+        return cls(model or str(cached_demo_model()), config, parameters.get("step_log", "").strip() or None)
 
 
 def _parse(name: str, raw: str, type_name: str) -> object:
@@ -92,24 +90,6 @@ def _parse(name: str, raw: str, type_name: str) -> object:
     except ValueError:
         article = "an" if base == "int" else "a"
         raise ConfigError(f"config.pbtxt parameter {name}={raw!r} is invalid: must be {article} {base}") from None
-
-
-def demo_model_dir() -> Path:
-    """The embedded demo checkpoint, written once (atomically, so concurrent servers agree)."""
-    from inflight.demo_model import write_demo_model
-
-    cache = Path(os.environ.get("INFLIGHT_CACHE_DIR") or Path.home() / ".cache" / "inflight")
-    target = cache / "demo_model"
-    if (target / "config.json").is_file():
-        return target
-    cache.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".demo_model-", dir=cache))
-    write_demo_model(tmp)
-    try:
-        tmp.rename(target)
-    except OSError:  # someone else finished first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 # ---- requests ------------------------------------------------------------------------------------
