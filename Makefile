@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test serve lint bench
+.PHONY: install test serve lint bench bench-serving loadtest
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -21,5 +21,14 @@ serve: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+## Offline batching benchmark: every policy and the HF peers on one trace; JSON, table and plots in loadtest/results/.
 bench: install
 	$(PY) -m loadtest.bench_batching $(BENCH_ARGS)
+
+## The same trace through tritonserver over gRPC streaming vs in-process.
+bench-serving: install
+	$(PY) -m loadtest.serving_overhead $(SERVING_ARGS)
+
+## Bounded headless Locust run against a tritonserver it starts (CSV + HTML reports).
+loadtest: install
+	$(PY) -m loadtest.run_locust $(LOCUST_ARGS)

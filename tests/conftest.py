@@ -1,7 +1,10 @@
 import os
 
-import pytest
-import torch
+# Before torch loads: spinning OpenMP threads collapse when the test server and the tests share 2 cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run in the interpreter on machines without a GPU; it must be set before triton loads.
 if not torch.cuda.is_available():
