@@ -76,11 +76,9 @@ class TorchBackend:
         plan = meta.cache.get("torch_plan")
         if plan is None:
             plan = meta.cache["torch_plan"] = _plan(meta, k_cache.shape[1], query.device)
-        decode_rows, decode_tokens, decode_blocks, decode_lens, prefill = plan
-        if decode_rows is not None:
-            out[decode_tokens] = _decode_attention(
-                query[decode_tokens], k_cache, v_cache, decode_blocks, decode_lens, scale
-            )
+        decode_buckets, prefill = plan
+        for tokens, blocks, lens in decode_buckets:
+            out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, blocks, lens, scale)
         for start, end, seq_len, blocks in prefill:
             out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, blocks, seq_len, scale)
         return out
@@ -115,27 +113,30 @@ class TorchBackend:
         return rotate(query), rotate(key)
 
 
+# Decode rows are gathered padded to their bucket's longest context; sorting by length and cutting into
+# buckets of this many rows keeps the padding (memory traffic, the CPU path's main cost) small.
+DECODE_BUCKET_ROWS = 16
+
+
 def _plan(meta: AttentionMetadata, block_size: int, device: torch.device):
-    """Split the batch once per step: decode rows (1 query token) batched together, prefill chunks alone."""
+    """Split the batch once per step: decode rows (1 query token) batched by length, prefill chunks alone."""
     qlens = meta.query_lens_np
     qsl = meta.query_start_loc_np
     is_decode = qlens == 1
-    decode_rows = decode_tokens = decode_blocks = decode_lens = None
-    if is_decode.any():
-        rows = np.nonzero(is_decode)[0]
-        max_len = int(meta.seq_lens_np[rows].max())
-        nblk = -(-max_len // block_size)
-        idx = torch.from_numpy(rows).to(device)
-        decode_rows = idx
-        decode_tokens = torch.from_numpy(qsl[rows].astype(np.int64)).to(device)
-        decode_blocks = meta.block_tables[idx, :nblk].long()
-        decode_lens = meta.seq_lens[idx]
+    decode_buckets = []
+    rows = np.nonzero(is_decode)[0]
+    rows = rows[np.argsort(meta.seq_lens_np[rows], kind="stable")]
+    for bucket in np.array_split(rows, -(-len(rows) // DECODE_BUCKET_ROWS)) if len(rows) else []:
+        nblk = -(-int(meta.seq_lens_np[bucket[-1]]) // block_size)
+        idx = torch.from_numpy(bucket).to(device)
+        tokens = torch.from_numpy(qsl[bucket].astype(np.int64)).to(device)
+        decode_buckets.append((tokens, meta.block_tables[idx, :nblk].long(), meta.seq_lens[idx]))
     prefill = []
     for r in np.nonzero(~is_decode & (qlens > 0))[0]:
         seq_len = int(meta.seq_lens_np[r])
         nblk = -(-seq_len // block_size)
         prefill.append((int(qsl[r]), int(qsl[r + 1]), seq_len, meta.block_tables[r, :nblk].long()))
-    return decode_rows, decode_tokens, decode_blocks, decode_lens, prefill
+    return decode_buckets, prefill
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
