@@ -175,8 +175,6 @@ class LLMEngine:
         if result.all_logits is not None:
             self._capture(sched, result)
         for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.monotonic()
             seq.num_computed_tokens += n
         sampling = [sched.seqs[i] for i in result.sample_rows]
         sampled = self.sampler(result.logits, sampling) if sampling else None

@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from inflight.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig
+from inflight.config import ConfigError, ModelConfig
 from inflight.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -44,8 +44,6 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    if cfg.architecture not in SUPPORTED_ARCHITECTURES:  # from_dir already checks; kept for direct callers
-        raise ConfigError(f"{cfg.architecture} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = dict(model.state_dict())
