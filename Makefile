@@ -12,6 +12,7 @@ install: $(VENV)/.installed
 ## Run the whole test suite (unit, kernels under TRITON_INTERPRET=1, engine vs HF, end-to-end tritonserver).
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 ## Serve the embedded demo model from a real tritonserver (gRPC 8001, HTTP 8000, metrics 8002).
@@ -20,6 +21,7 @@ serve: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
 
 ## Offline batching benchmark: every policy and the HF peers on one trace; JSON, table and plots in loadtest/results/.
 bench: install

@@ -127,7 +127,7 @@ def bench_pointwise(torch, dtype, device, tokens: int, peak: float, timer) -> li
     from inflight_kernels.rms_norm import fused_add_rms_norm
     from inflight_kernels.rope import rotary_embedding
 
-    from inflight.attention import TorchBackend
+    from inflight.executor.attention import TorchBackend
 
     ref = TorchBackend()
     elem = torch.empty((), dtype=dtype).element_size()

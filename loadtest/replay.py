@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from inflight.config import EngineConfig
-from inflight.engine import LLMEngine
+from inflight.engine.engine import LLMEngine
 from inflight.sampling_params import SamplingParams
 from loadtest.metrics import RunResult, StepRecord
 from loadtest.trace import TraceRequest

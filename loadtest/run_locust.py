@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.host:
         code = run_locust(args, args.host)
     else:
-        from inflight.launcher import TritonServer
+        from inflight.launcher.server import TritonServer
 
         args.out.mkdir(parents=True, exist_ok=True)
         log = args.out / "tritonserver.log"

@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer
 
 from inflight.config import EngineConfig
-from inflight.engine import LLMEngine
+from inflight.engine.engine import LLMEngine
 from loadtest.metrics import cpu_contention, percentiles
 from loadtest.models import resolve_model
 from loadtest.replay import exact_params, warm_up
@@ -231,7 +231,7 @@ def _served(args, model_dir: Path, eargs: dict[str, Any], jobs: Sequence[Job]) -
     """(The server is another process, so no contention figure here: its own CPU would count as others'.)"""
     if args.url:
         return run_served(args.url, jobs, args.concurrency)
-    from inflight.launcher import TritonServer
+    from inflight.launcher.server import TritonServer
 
     args.out.mkdir(parents=True, exist_ok=True)
     step_log = (args.out / "server_steps.jsonl").resolve()

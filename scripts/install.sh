@@ -27,6 +27,6 @@ if [ "$venv" != system ]; then
   "${pip[@]}" --no-deps "nvidia-pytriton==0.7.0"
   # The wheel's Python backend (2.51) garbles strings under numpy 2: give its stub a numpy 1 side env now,
   # so the first `make serve` / test run does not have to.
-  "$py" -m inflight.triton_dist
+  "$py" -m inflight.launcher.triton_dist
 fi
 echo "installed into $venv"

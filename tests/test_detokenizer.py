@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from inflight.detokenizer import IncrementalDetokenizer, detokenize_batch
+from inflight.text.detokenizer import IncrementalDetokenizer, detokenize_batch
 
 REPLACEMENT = "\ufffd"
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "STOP", "end"]

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from helpers import PROMPTS, hf_greedy, hf_logits
+from helpers import PROMPTS, capture_logits, hf_greedy, hf_logits
 
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
-from inflight.engine import LLMEngine
+from inflight.engine.engine import LLMEngine
 
 MAX_TOKENS = 16
 
@@ -29,19 +29,19 @@ def test_logits_every_position_match_hf_in_mixed_chunked_preempted_batches(demo_
     # rows mixed with prefill chunks, late arrivals, and preemption from a KV cache too small for all.
     cfg = EngineConfig(max_num_seqs=6, max_num_batched_tokens=23, block_size=8, num_kv_blocks=14)
     engine = LLMEngine(demo_model_dir, cfg)
-    engine.capture_logits = True
+    captured = capture_logits(engine)
     prompts = PROMPTS[:8]
     arrivals = {0: [(f"r{i}", p) for i, p in enumerate(prompts[:4])], 3: [("r4", prompts[4])], 7: []}
     arrivals[7] = [(f"r{i}", p) for i, p in enumerate(prompts[5:], start=5)]
     tokens = run_to_completion(engine, arrivals, SamplingParams(temperature=0, max_tokens=12))
 
     assert engine.scheduler.num_preemptions > 0, "the test meant to force preemption"
-    assert any(n > 1 for *_, lg in engine.captured for n in [lg.shape[0]]), "expected prefill chunks"
+    assert any(n > 1 for *_, lg in captured for n in [lg.shape[0]]), "expected prefill chunks"
     assert engine.block_manager.num_used_blocks == 0
     prompt_ids = {f"r{i}": engine.tokenizer.encode(p).ids for i, p in enumerate(prompts)}
     refs = {rid: hf_logits(hf_model, prompt_ids[rid] + toks) for rid, toks in tokens.items()}
     checked = 0
-    for rid, positions, logits in engine.captured:
+    for rid, positions, logits in captured:
         torch.testing.assert_close(logits, refs[rid][positions], atol=2e-4, rtol=1e-4)
         checked += len(positions)
     assert checked > sum(len(t) for t in tokens.values())

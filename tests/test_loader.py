@@ -9,9 +9,10 @@ import pytest
 import torch
 from helpers import hf_logits
 
-from inflight.attention import AttentionMetadata, TorchBackend
-from inflight.config import ConfigError, ModelConfig
-from inflight.loader import load_model
+from inflight.config import ConfigError
+from inflight.executor.attention import AttentionMetadata, TorchBackend
+from inflight.models.config import ModelConfig
+from inflight.models.loader import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -55,8 +56,6 @@ def engine_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
         table,
         np.array([0, n]),
         np.array([n]),
-        n,
-        n,
     )
     with torch.inference_mode():
         return model.compute_logits(model(torch.tensor(ids), torch.arange(n), meta, caches, TorchBackend()))

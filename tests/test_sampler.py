@@ -11,9 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.sampler import Sampler
+from inflight.engine.sequence import Sequence
+from inflight.executor.sampler import Sampler
 from inflight.sampling_params import SamplingParams
-from inflight.sequence import Sequence
 
 EOS = 2
 

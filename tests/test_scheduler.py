@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inflight.block_manager import BlockManager
 from inflight.config import EngineConfig
+from inflight.engine.kv_cache import BlockManager
+from inflight.engine.scheduler import Scheduler
+from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inflight.sampling_params import SamplingParams
-from inflight.scheduler import Scheduler
-from inflight.sequence import FinishReason, Sequence, SequenceStatus
 
 _ids = itertools.count()
 

@@ -100,6 +100,9 @@ class TextStream:
 
     def __next__(self) -> Delta:
         while self.completion is None:
+            if self._cancelled.is_set():  # cancel() ends the iteration: what was already buffered is dropped
+                self._finish("cancelled")
+                break
             try:
                 item = self._queue.get(timeout=self.timeout_s)
             except queue.Empty:

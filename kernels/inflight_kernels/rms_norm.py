@@ -1,6 +1,6 @@
 """RMSNorm over the last dim, optionally fused with the residual add that precedes it.
 
-Numerics follow `inflight.attention.TorchBackend` exactly: the sum x + residual is rounded to the
+Numerics follow `inflight.executor.attention.TorchBackend` exactly: the sum x + residual is rounded to the
 activation dtype (it becomes the next residual), normalized in fp32, rounded back to the activation
 dtype and only then multiplied by the weight. One program normalizes one row.
 """

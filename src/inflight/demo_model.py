@@ -21,9 +21,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-# Bump when the generated checkpoint changes, so caches keyed on it (`demo_cache_name`) are rebuilt.
+# Bump when the generated checkpoint changes, so the cached copy (`cached_demo_model`) is rebuilt.
 DEMO_MODEL_VERSION = 1
-DEMO_MODEL_VERSION = 1  # bump when the generated checkpoint changes
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -162,10 +161,6 @@ def write_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
     # config.json last: its presence marks a complete checkpoint for callers that create it lazily.
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
-
-
-def demo_cache_name() -> str:
-    return f"demo_model-v{DEMO_MODEL_VERSION}"
 
 
 def cached_demo_model() -> Path:

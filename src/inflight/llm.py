@@ -9,7 +9,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from inflight.config import EngineConfig
-from inflight.engine import LLMEngine
+from inflight.engine.engine import LLMEngine
 from inflight.outputs import CompletionOutput
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 

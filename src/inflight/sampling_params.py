@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field
 from typing import Any
+
+from inflight.coerce import field_types, is_scalar, parse_scalar, type_name
 
 
 class InvalidRequestError(ValueError):
@@ -73,16 +75,15 @@ class SamplingParams:
             _fail("stop_token_ids", self.stop_token_ids, "non-negative token ids")
 
     def _check_types(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name in ("stop", "stop_token_ids"):
-                inner = str if f.name == "stop" else int
+        for name, kind in field_types(SamplingParams).items():
+            value = getattr(self, name)
+            if not is_scalar(kind):  # list[str] / list[int]
+                (inner,) = typing.get_args(kind)
                 if not all(isinstance(v, inner) and not isinstance(v, bool) for v in value):
-                    _fail(f.name, value, f"a list of {inner.__name__}")
+                    _fail(name, value, f"a list of {inner.__name__}")
                 continue
-            if value is None and f.name in ("seed", "logprobs"):
+            if value is None and name in ("seed", "logprobs"):
                 continue
-            kind = {"bool": bool, "float": float}.get(f.type.split(" ")[0], int)
             if kind is bool:
                 ok = isinstance(value, bool)
             elif kind is float:
@@ -90,25 +91,21 @@ class SamplingParams:
             else:
                 ok = isinstance(value, int) and not isinstance(value, bool)
             if not ok:
-                _fail(f.name, value, f"of type {kind.__name__}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+                _fail(name, value, f"of type {kind.__name__}")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from JSON-ish input; numbers may arrive as strings (genai-perf sends `"64"`)."""
         if not isinstance(data, dict):
             raise InvalidRequestError(f"sampling_parameters must be a JSON object, got {type(data).__name__}")
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        known = field_types(cls)
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key not in known:
                 raise InvalidRequestError(
                     f"sampling_parameters has unknown key {key!r}; known keys: {', '.join(sorted(known))}"
                 )
-            kwargs[key] = _coerce(key, known[key].type, value)
+            kwargs[key] = _coerce(key, known[key], value)
         return cls(**kwargs)
 
     @classmethod
@@ -120,19 +117,10 @@ class SamplingParams:
         return cls.from_dict(data)
 
 
-def _coerce(name: str, type_name: str, value: Any) -> Any:
-    if value is None or not isinstance(value, str):
-        return value
-    base = type_name.split(" ")[0]
-    if base.startswith("list"):
-        return value  # a single stop string
+def _coerce(name: str, kind: Any, value: Any) -> Any:
+    if not isinstance(value, str) or not is_scalar(kind):
+        return value  # native JSON, or a single stop string for the list field
     try:
-        if base == "bool":
-            if value.lower() not in ("true", "false", "1", "0"):
-                raise ValueError
-            return value.lower() in ("true", "1")
-        if base == "float":
-            return float(value)
-        return int(value)
+        return parse_scalar(value, kind)
     except ValueError:
-        _fail(name, value, f"a {base}")
+        _fail(name, value, f"a {type_name(kind)}")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from e2e_util import ENGINE_ARGS
 
-from inflight.launcher import LauncherError, TritonServer
+from inflight.launcher.server import LauncherError, TritonServer
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from e2e_util import wait_for
 from helpers import PROMPTS
 
 from inflight import SamplingParams
-from inflight.launcher import LauncherError, TritonServer, free_port
+from inflight.launcher.server import LauncherError, TritonServer, free_port
 
 
 def test_client_cli_streams_text(server, offline_llm):
@@ -51,7 +51,7 @@ def test_bad_engine_parameter_fails_model_load_naming_it(tmp_path):
 
 def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
     http, grpc, metrics = free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "inflight.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
+    cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-num-seqs", "2", "--num-kv-blocks", "16",
            "--max-model-len", "128"]  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below

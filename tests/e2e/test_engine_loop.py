@@ -8,9 +8,9 @@ import time
 import pytest
 
 from inflight.config import EngineConfig
-from inflight.engine import LLMEngine
-from inflight.engine_loop import EngineLoop, ErrorKind, Submission
+from inflight.engine.engine import LLMEngine
 from inflight.sampling_params import SamplingParams
+from inflight.serving.engine_loop import EngineLoop, ErrorKind, Submission
 
 
 class FlakyEngine(LLMEngine):

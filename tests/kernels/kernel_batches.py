@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inflight.attention import AttentionMetadata
+from inflight.executor.attention import AttentionMetadata
 
 
 @dataclass
@@ -33,8 +33,6 @@ class PagedBatch:
             block_tables=self.block_tables,
             query_start_loc_np=self.query_start_loc_np,
             seq_lens_np=self.seq_lens_np,
-            max_query_len=int(np.diff(self.query_start_loc_np).max()),
-            max_seq_len=int(self.seq_lens_np.max()),
         )
 
 

@@ -1,4 +1,4 @@
-"""TritonBackend against TorchBackend through the engine's seam (`inflight.attention`)."""
+"""TritonBackend against TorchBackend through the engine's seam (`inflight.executor.attention`)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from kernel_batches import batch_kinds, make_batch
 
-from inflight.attention import TorchBackend, get_backend
-from inflight.attention_triton import TritonBackend
+from inflight.executor.attention import TorchBackend, get_backend
+from inflight.executor.attention.triton_backend import TritonBackend
 
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 

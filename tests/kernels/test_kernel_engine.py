@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import inflight.attention_triton as attention_triton
+import inflight.executor.attention.triton_backend as attention_triton
 from inflight import LLM, SamplingParams
 
 # 5, 27, 3 and 18 tokens: the long ones exceed the 16-token step budget, so their prefill is chunked

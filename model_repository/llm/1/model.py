@@ -1,5 +1,5 @@
 """Triton's entry point for the `llm` model: the logic lives in the installed `inflight` package."""
 
-from inflight.server_model import TritonPythonModel
+from inflight.serving.triton_model import TritonPythonModel
 
 __all__ = ["TritonPythonModel"]

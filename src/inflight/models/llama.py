@@ -8,13 +8,15 @@ between the torch reference and the Triton kernels.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from inflight.attention import AttentionMetadata
-from inflight.config import ModelConfig
+from inflight.models.config import ModelConfig
+
+if TYPE_CHECKING:  # the executor hands the model its batch and ops; models sit below the executor
+    from inflight.executor.attention import AttentionMetadata
 
 
 class RMSNormWeight(nn.Module):

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from tokenizers import Tokenizer
 
-from inflight.config import ConfigError, ModelConfig
+from inflight.config import ConfigError
+from inflight.models.config import ModelConfig
 from inflight.models.llama import LlamaForCausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

@@ -180,8 +180,8 @@ def prepare() -> None:
     print(f"python for the backend stub: {stub_python_bin(dist)}")
 
 
-if __name__ == "__main__":  # python -m inflight.triton_dist  (what scripts/install.sh may call once)
+if __name__ == "__main__":  # python -m inflight.launcher.triton_dist  (what scripts/install.sh may call once)
     try:
         prepare()
     except LauncherError as e:
-        sys.exit(f"inflight.triton_dist: {e}")
+        sys.exit(f"inflight.launcher.triton_dist: {e}")

@@ -12,11 +12,14 @@ import itertools
 import math
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from inflight.sampling_params import SamplingParams
-from inflight.sequence import Sequence
+
+if TYPE_CHECKING:  # the engine hands its sequences down; the executor never imports the engine
+    from inflight.engine.sequence import Sequence
 
 # Below this a temperature is treated as greedy: logits / 1e-6 would overflow float32 softmax maths.
 _MIN_TEMPERATURE = 1e-5

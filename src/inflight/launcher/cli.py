@@ -7,10 +7,10 @@ subcommand that builds an engine shares them: `add_engine_args(parser)` and `eng
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any
 
+from inflight.coerce import field_types, parse_scalar, type_name
 from inflight.config import ATTENTION_BACKENDS, DTYPES, KV_RESERVATIONS, SCHEDULING_POLICIES, EngineConfig
 
 _HELP = {
@@ -33,22 +33,34 @@ _CHOICES = {
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine", "EngineConfig fields; unset = the default")
-    for f in dataclasses.fields(EngineConfig):
-        base = f.type.split("|")[0].strip()
-        kind = {"int": int, "float": float}.get(base, str)
+    for name, kind in field_types(EngineConfig).items():
+        flag = "--" + name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(name)
+            )
+            continue
         group.add_argument(
-            "--" + f.name.replace("_", "-"),
-            dest=f.name,
-            type=kind,
+            flag,
+            dest=name,
+            type=_typed(kind),
             default=None,
-            choices=_CHOICES.get(f.name),
-            help=_HELP.get(f.name),
+            choices=_CHOICES.get(name),
+            help=_HELP.get(name),
         )
+
+
+def _typed(kind: type):
+    def parse(text: str):
+        return parse_scalar(text, kind)
+
+    parse.__name__ = type_name(kind)  # argparse names it in "invalid int value: 'x'"
+    return parse
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
     """The engine flags that were given, as EngineConfig keyword arguments."""
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    names = field_types(EngineConfig)
     return {k: v for k, v in vars(ns).items() if k in names and v is not None}
 
 
@@ -72,7 +84,7 @@ def _add_serve(sub) -> None:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from inflight.launcher import LauncherError, TritonServer, serve
+    from inflight.launcher.server import LauncherError, TritonServer, serve
 
     parameters: dict[str, object] = dict(engine_args(ns))
     if ns.model is not None:

@@ -35,8 +35,6 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     # Filled in by the engine as the request progresses (for metrics / benchmarks).
-    first_token_time: float | None = None
-    finished_time: float | None = None
     cumulative_logprob: float = 0.0
 
     @property

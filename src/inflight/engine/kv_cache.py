@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from inflight.sequence import Sequence
+from inflight.engine.sequence import Sequence
 
 
 class BlockManager:

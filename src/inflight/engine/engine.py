@@ -11,17 +11,18 @@ from pathlib import Path
 
 import torch
 
-from inflight.block_manager import BlockManager
-from inflight.config import ConfigError, EngineConfig, ModelConfig
-from inflight.detokenizer import IncrementalDetokenizer, detokenize_batch
-from inflight.loader import load_model, load_tokenizer
-from inflight.model_runner import ModelRunner
+from inflight.config import ConfigError, EngineConfig
+from inflight.engine.kv_cache import BlockManager
+from inflight.engine.scheduler import Scheduler
+from inflight.engine.sequence import FinishReason, Sequence
+from inflight.engine.stats import EngineSnapshot, StepStats
+from inflight.executor.model_runner import ModelRunner
+from inflight.executor.sampler import Sampler
+from inflight.models.config import ModelConfig
+from inflight.models.loader import load_model, load_tokenizer
 from inflight.outputs import RequestOutput, TokenLogprob
-from inflight.sampler import Sampler
 from inflight.sampling_params import InvalidRequestError, SamplingParams
-from inflight.scheduler import Scheduler
-from inflight.sequence import FinishReason, Sequence
-from inflight.stats import StepStats
+from inflight.text.detokenizer import IncrementalDetokenizer, detokenize_batch
 
 
 class LLMEngine:
@@ -61,8 +62,6 @@ class LLMEngine:
         self._aborted: list[Sequence] = []
         self.last_step_stats: StepStats | None = None
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
-        self.capture_logits = False  # tests: record every position's logits of every step
-        self.captured: list[tuple[str, list[int], torch.Tensor]] = []
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -151,6 +150,21 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
+    def snapshot(self) -> EngineSnapshot:
+        c = self.counters
+        return EngineSnapshot(
+            steps=c["steps"],
+            prompt_tokens=c["prompt_tokens"],
+            generation_tokens=c["generation_tokens"],
+            num_preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_kv_blocks_used=self.block_manager.num_used_blocks,
+            num_kv_blocks_free=self.block_manager.num_free_blocks,
+            max_num_seqs=self.config.max_num_seqs,
+            last_step=self.last_step_stats,
+        )
+
     @property
     def num_unfinished(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
@@ -171,9 +185,7 @@ class LLMEngine:
             for s, n in zip(sched.seqs, sched.num_scheduled_tokens)
             if n == 1 and s.num_computed_tokens == s.num_tokens - 1
         )
-        result = self.runner.execute(sched, all_logits=self.capture_logits)
-        if result.all_logits is not None:
-            self._capture(sched, result)
+        result = self.runner.execute(sched)
         for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
             seq.num_computed_tokens += n
         sampling = [sched.seqs[i] for i in result.sample_rows]
@@ -185,15 +197,12 @@ class LLMEngine:
     def _process_samples(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
         if not seqs:
             return []
-        now = time.monotonic()
         tokens = sampled.token_ids.tolist()
         logprobs = self._logprobs(seqs, sampled)
         deltas = detokenize_batch([self._detoks[s.request_id] for s in seqs], [[t] for t in tokens])
         outputs = []
         for i, (seq, tok, (text, stop_hit)) in enumerate(zip(seqs, tokens, deltas)):
             seq.output_token_ids.append(tok)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             new_lp = None
             if logprobs is not None and logprobs[i] is not None:
                 new_lp = [logprobs[i]]
@@ -248,16 +257,9 @@ class LLMEngine:
         )
 
     def _finish_output(self, seq: Sequence, text: str, new_tokens: list[int], new_lp=None) -> RequestOutput:
-        seq.finished_time = time.monotonic()
         del self._seqs[seq.request_id]
         self._detoks.pop(seq.request_id, None)
         return self._output(seq, text, new_tokens, new_lp, finished=True)
-
-    def _capture(self, sched, result) -> None:
-        qsl = result.query_start_loc
-        for i, seq in enumerate(sched.seqs):
-            a, b = int(qsl[i]), int(qsl[i + 1])
-            self.captured.append((seq.request_id, result.positions[a:b].tolist(), result.all_logits[a:b].clone()))
 
     def _record_stats(self, sched, num_running: int, num_decode: int, t0: float, forward_time: float) -> None:
         arrivals = [s.arrival_time for s in sched.seqs]

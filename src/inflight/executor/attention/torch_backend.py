@@ -1,41 +1,12 @@
-"""The one backend seam: KV write, paged attention, RMSNorm and RoPE.
-
-`TorchBackend` is the CPU path and the reference; `inflight.attention_triton.TritonBackend` runs the
-Triton-language kernels from `inflight_kernels` (the default on CUDA). Both take the same flattened,
-unpadded batch described by `AttentionMetadata`.
-"""
+"""`TorchBackend`: the ops seam in plain torch, the CPU path and the reference for the Triton kernels."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-
-@dataclass
-class AttentionMetadata:
-    """One step's batch. T = scheduled tokens, B = scheduled sequences (queries are contiguous per seq)."""
-
-    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) for each new K/V
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32: context length including this step's tokens
-    block_tables: torch.Tensor  # [B, max_blocks] int32 (unused entries are 0)
-    query_start_loc_np: np.ndarray  # host copies so no backend syncs with the device to plan work
-    seq_lens_np: np.ndarray
-    max_query_len: int
-    max_seq_len: int
-    cache: dict[str, Any] = field(default_factory=dict)  # per-step values a backend derives once, not per layer
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_np)
-
-    @property
-    def query_lens_np(self) -> np.ndarray:
-        return np.diff(self.query_start_loc_np)
+from inflight.executor.attention.metadata import AttentionMetadata
 
 
 def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: tuple[torch.Tensor, torch.Tensor]):
@@ -181,13 +152,3 @@ def _prefill_attention(q, k_cache, v_cache, blocks, seq_len, scale):
         enable_gqa=hq != hkv,
     )
     return out.transpose(0, 1).to(q.dtype)
-
-
-def get_backend(name: str) -> Any:
-    if name == "torch":
-        return TorchBackend()
-    if name == "triton":
-        from inflight.attention_triton import TritonBackend
-
-        return TritonBackend()
-    raise ValueError(f"attention_backend={name!r} is invalid: must be torch or triton")

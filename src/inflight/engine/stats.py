@@ -1,11 +1,14 @@
-"""Per-step engine statistics: what Triton metrics and benchmark plots read."""
+"""What the engine publishes about itself: per-step stats and a snapshot for metrics.
+
+Readers (Triton metrics, benchmarks, step logs) see only these immutable records, never engine internals.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(frozen=True)
 class StepStats:
     time: float  # wall clock at the end of the step (time.monotonic)
     num_running: int
@@ -25,3 +28,19 @@ class StepStats:
     @property
     def occupancy(self) -> float:
         return self.num_running / self.max_num_seqs
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state between two steps: cumulative counters and current gauges."""
+
+    steps: int
+    prompt_tokens: int  # cumulative
+    generation_tokens: int  # cumulative
+    num_preemptions: int  # cumulative
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks_free: int
+    max_num_seqs: int
+    last_step: StepStats | None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import signal
 import socket
@@ -22,7 +21,10 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
-from inflight.triton_dist import LauncherError, find_server, prepare_backends, server_env
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2
+
+from inflight.launcher.triton_dist import LauncherError, find_server, prepare_backends, server_env
 
 __all__ = ["LauncherError", "TritonServer", "free_port", "serve", "write_model_repository"]
 
@@ -30,8 +32,8 @@ MODEL_NAME = "llm"
 
 
 def default_model_repository() -> Path:
-    # src/inflight/launcher.py -> repository root; the package is installed editable (scripts/install.sh).
-    return Path(__file__).resolve().parents[2] / "model_repository"
+    # src/inflight/launcher/server.py -> repository root; the package is installed editable (scripts/install.sh).
+    return Path(__file__).resolve().parents[3] / "model_repository"
 
 
 def free_port() -> int:
@@ -51,20 +53,21 @@ def write_model_repository(
         raise LauncherError(f"{source} is not a model repository with a '{model}' model (no {model}/config.pbtxt)")
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     config = dest / model / "config.pbtxt"
-    text = config.read_text()
-    for key, value in (parameters or {}).items():
-        text = set_parameter(text, key, "" if value is None else str(value))
-    config.write_text(text)
+    config.write_text(set_parameters(config.read_text(), parameters or {}))
     return dest
 
 
-def set_parameter(pbtxt: str, key: str, value: str) -> str:
-    """Set `parameters { key: KEY value: { string_value: VALUE } }` in config.pbtxt text, adding it if absent."""
-    quoted = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    pattern = re.compile(r'(key:\s*"' + re.escape(key) + r'"\s*value:\s*\{\s*string_value:\s*)"(?:[^"\\]|\\.)*"')
-    if pattern.search(pbtxt):
-        return pattern.sub(lambda m: m.group(1) + quoted, pbtxt, count=1)
-    return pbtxt.rstrip("\n") + f'\nparameters {{ key: "{key}" value: {{ string_value: {quoted} }} }}\n'
+def set_parameters(pbtxt: str, parameters: Mapping[str, object]) -> str:
+    """config.pbtxt text with `parameters[key].string_value` set for each item (None -> ""), parsed and
+    written by protobuf against Triton's ModelConfig schema."""
+    config = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(pbtxt, config)
+    except text_format.ParseError as e:
+        raise LauncherError(f"config.pbtxt does not parse as a Triton ModelConfig: {e}") from None
+    for key, value in parameters.items():
+        config.parameters[key].string_value = "" if value is None else str(value)
+    return text_format.MessageToString(config)
 
 
 # ---- the server process -----------------------------------------------------------------------------

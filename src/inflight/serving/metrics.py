@@ -1,13 +1,15 @@
 """Engine metrics on Triton's metrics port, through the Python backend's `pb_utils.MetricFamily`.
 
-Gauges and counters are refreshed by the engine thread after every iteration from the engine's live
-state; the latency histograms are observed per request when its responses are sent (what the client
+Gauges and counters are refreshed by the engine thread from the `EngineSnapshot` the engine publishes
+(never its internals); the latency histograms are observed per request when its responses are sent (what the client
 sees). Every family is kept on `self`: a garbage-collected MetricFamily invalidates its metrics.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
+
+from inflight.engine.stats import EngineSnapshot
 
 TTFT_BUCKETS = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
@@ -56,31 +58,30 @@ class TritonMetrics:
         self.e2e = make(
             "inflight_e2e_request_latency_seconds", "Request arrival to final response", histogram, None, E2E_BUCKETS
         )
-        self._counted = {"preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._counted = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
         self._max_spread = 0.0
         self._steps_seen = -1
 
-    def update(self, engine) -> None:
-        """Refresh from the engine's live state (engine thread only)."""
+    def update(self, snap: EngineSnapshot) -> None:
+        """Refresh from one snapshot of the engine."""
         # Counters before gauges: a reader that sees the gauges of this iteration sees its counters too.
         for key, metric in (
-            ("preemptions", self.preemptions),
+            ("num_preemptions", self.preemptions),
             ("prompt_tokens", self.prompt_tokens),
             ("generation_tokens", self.generation_tokens),
         ):
-            value = engine.counters.get(key, 0)
+            value = getattr(snap, key)
             if value > self._counted[key]:
                 metric.increment(value - self._counted[key])
                 self._counted[key] = value
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        self.requests["running"].set(len(scheduler.running))
-        self.requests["waiting"].set(len(scheduler.waiting))
-        self.kv_blocks["used"].set(blocks.num_used_blocks)
-        self.kv_blocks["free"].set(blocks.num_free_blocks)
-        self.occupancy.set(len(scheduler.running) / engine.config.max_num_seqs)
-        stats, steps = engine.last_step_stats, engine.counters.get("steps", 0)
-        if stats is not None and steps != self._steps_seen:
-            self._steps_seen = steps
+        self.requests["running"].set(snap.num_running)
+        self.requests["waiting"].set(snap.num_waiting)
+        self.kv_blocks["used"].set(snap.num_kv_blocks_used)
+        self.kv_blocks["free"].set(snap.num_kv_blocks_free)
+        self.occupancy.set(snap.num_running / snap.max_num_seqs)
+        stats = snap.last_step
+        if stats is not None and snap.steps != self._steps_seen:
+            self._steps_seen = snap.steps
             self.arrival_spread.set(stats.arrival_spread_s)
             if stats.arrival_spread_s > self._max_spread:
                 self._max_spread = stats.arrival_spread_s

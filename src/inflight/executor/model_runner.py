@@ -8,22 +8,22 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from inflight.attention import AttentionMetadata, get_backend
+from inflight.executor.attention import AttentionMetadata, get_backend
 from inflight.models.llama import LlamaForCausalLM
-from inflight.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:  # the engine hands its batch down; the executor never imports the engine
+    from inflight.engine.scheduler import SchedulerOutput
 
 
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # [S, V] float32, one row per sequence that samples this step
     sample_rows: np.ndarray  # indices into the scheduled seqs of those S sequences
-    all_logits: torch.Tensor | None  # [T, V] when asked (tests compare every position with HF)
-    positions: np.ndarray  # [T]
-    query_start_loc: np.ndarray  # [B+1]
     forward_time_s: float
 
 
@@ -91,8 +91,6 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev),
             query_start_loc_np=qsl,
             seq_lens_np=seq_lens,
-            max_query_len=int(n.max()),
-            max_seq_len=int(seq_lens.max()),
         )
         num_tokens = np.fromiter((s.num_tokens for s in seqs), dtype=np.int64, count=len(seqs))
         sample_rows = np.nonzero(seq_lens == num_tokens)[0]  # chunks that reach the end sample a token
@@ -100,20 +98,16 @@ class ModelRunner:
         return ids, positions, meta, sample_rows
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, all_logits: bool = False) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
         ids, positions, meta, sample_rows = self.prepare(sched)
         t0 = time.perf_counter()
         hidden = self.model(ids, torch.from_numpy(positions).to(self.device), meta, self.kv_caches, self.ops)
         last = torch.from_numpy(meta.query_start_loc_np[1:][sample_rows] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[last])
-        full = self.model.compute_logits(hidden) if all_logits else None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return ModelOutput(
             logits=logits,
             sample_rows=sample_rows,
-            all_logits=full,
-            positions=positions,
-            query_start_loc=meta.query_start_loc_np,
             forward_time_s=time.perf_counter() - t0,
         )

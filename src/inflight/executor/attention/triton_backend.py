@@ -1,6 +1,6 @@
 """The attention backend that runs the Triton-language kernels of `inflight_kernels`.
 
-Same methods and semantics as `inflight.attention.TorchBackend`. On CUDA the kernels are compiled;
+Same methods and semantics as `inflight.executor.attention.TorchBackend`. On CUDA the kernels are compiled;
 on a CPU they run only under `TRITON_INTERPRET=1` (slow, for tests). The per-step attention plan
 (query tiles, split-K choice) is made once per step from host arrays and shared by all layers.
 """
@@ -13,7 +13,7 @@ from inflight_kernels.paged_attention import AttentionPlan, paged_attention, pla
 from inflight_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from inflight_kernels.rope import rotary_embedding
 
-from inflight.attention import AttentionMetadata
+from inflight.executor.attention.metadata import AttentionMetadata
 
 
 class TritonBackend:

@@ -11,9 +11,9 @@ import bisect
 import itertools
 from dataclasses import dataclass, field
 
-from inflight.block_manager import BlockManager
 from inflight.config import EngineConfig
-from inflight.sequence import FinishReason, Sequence, SequenceStatus
+from inflight.engine.kv_cache import BlockManager
+from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from inflight.engine import LLMEngine
+from inflight.engine.engine import LLMEngine
+from inflight.engine.stats import EngineSnapshot
 from inflight.outputs import RequestOutput
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 
-log = logging.getLogger("inflight.engine_loop")
+log = logging.getLogger("inflight.serving.engine_loop")
 
 
 class ErrorKind(enum.Enum):
@@ -62,7 +63,7 @@ class EngineLoop:
     def __init__(
         self,
         engine: LLMEngine,
-        on_iteration: Callable[[LLMEngine], None] | None = None,
+        on_iteration: Callable[[EngineSnapshot], None] | None = None,
         step_log: str | Path | None = None,
     ) -> None:
         self.engine = engine
@@ -93,10 +94,6 @@ class EngineLoop:
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    @property
-    def num_active(self) -> int:
-        return len(self._active)
-
     # ---- the thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -106,7 +103,7 @@ class EngineLoop:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 if self._on_iteration is not None:
-                    _safe(self._on_iteration, self.engine)
+                    _safe(self._on_iteration, self.engine.snapshot())
         except BaseException:  # a bug in the loop itself: nobody may be left waiting
             log.error("engine loop crashed:\n%s", traceback.format_exc())
             self._fail_all(ErrorKind.INTERNAL, "the engine loop crashed; see the server log")

@@ -1,0 +1,88 @@
+"""ModelConfig: the architecture a checkpoint's config.json describes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inflight.config import DTYPES, ConfigError
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q/k/v projections
+    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    rope_scaling: dict[str, Any] | None = None
+    torch_dtype: torch.dtype = torch.float32
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: missing (a model directory needs config.json, *.safetensors, tokenizer.json)")
+        return cls.from_hf_dict(json.loads(path.read_text()), source=str(path))
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"{source}: architectures={archs} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ConfigError(f"{source}: required field {key!r} is missing")
+            return cfg[key]
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
+            rope_scaling = None
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "llama3":
+            raise ConfigError(f"{source}: rope_scaling={rope_scaling} is not supported; supported: llama3")
+        eos = cfg.get("eos_token_id")
+        dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        return cls(
+            architecture=arch,
+            vocab_size=need("vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=need("intermediate_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or hidden // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope_scaling=rope_scaling,
+            torch_dtype=DTYPES.get(str(dtype_name), torch.float32),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )

@@ -1,0 +1,150 @@
+"""The wire format of the `llm` model: Triton's vLLM backend's, so genai-perf, AIPerf, Triton's OpenAI
+frontend and vLLM-backend clients work unchanged.
+
+Request decode (tensors -> `DecodedRequest`, raising InvalidRequestError naming the field) and response
+encode (text delta + optional outputs -> `InferenceResponse`). Needs `triton_python_backend_utils`, so it
+is imported inside Triton's Python-backend stub only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from inflight.outputs import TokenLogprob
+from inflight.sampling_params import InvalidRequestError, SamplingParams
+
+RETURN_FLAGS = {
+    "return_finish_reason": "finish_reason",
+    "return_cumulative_logprob": "cumulative_logprob",
+    "return_logprobs": "logprobs",
+    "return_num_input_tokens": "num_input_tokens",
+    "return_num_output_tokens": "num_output_tokens",
+}
+
+
+@dataclass
+class DecodedRequest:
+    prompt: str
+    params: SamplingParams
+    stream: bool
+    prepend_prompt: bool
+    returns: frozenset[str]  # names of the optional outputs asked for
+    priority: int = 0
+
+
+def decode_request(request) -> DecodedRequest:
+    """Read a vLLM-backend-style request; raise InvalidRequestError naming the field."""
+    prompt = _text(request, "text_input", required=True)
+    if prompt == "":
+        raise InvalidRequestError("text_input is empty: give a prompt of at least one character")
+    stream = _flag(request, "stream", False)
+    exclude = _flag(request, "exclude_input_in_output", None)
+    if stream and exclude is False:
+        raise InvalidRequestError(
+            "exclude_input_in_output=false is not allowed with stream=true (a stream carries only new text)"
+        )
+    params = _sampling_params(request)
+    returns = frozenset(out for flag, out in RETURN_FLAGS.items() if _flag(request, flag, False))
+    priority_tensor = pb_utils.get_input_tensor_by_name(request, "priority")
+    priority = int(priority_tensor.as_numpy().reshape(-1)[0]) if priority_tensor is not None else 0
+    return DecodedRequest(prompt, params, stream, not stream and not exclude, returns, priority)
+
+
+def _sampling_params(request) -> SamplingParams:
+    sampling = _text(request, "sampling_parameters", required=False)
+    try:
+        if sampling is not None:
+            return SamplingParams.from_json(sampling)
+        # The vLLM backend's fallback: sampling parameters as request parameters (BLS cannot send tensors).
+        raw = json.loads(request.parameters() or "{}")
+        return SamplingParams.from_dict({k: v for k, v in raw.items() if not k.startswith("triton_")})
+    except InvalidRequestError:
+        raise
+    except (TypeError, ValueError) as e:  # a value of a shape the field checks did not expect
+        raise InvalidRequestError(f"sampling_parameters is invalid: {e}") from None
+
+
+def _text(request, name: str, required: bool) -> str | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        if required:
+            raise InvalidRequestError(f"{name} is missing: it is required (a STRING tensor of shape [1])")
+        return None
+    values = tensor.as_numpy().reshape(-1)
+    if values.size != 1:
+        raise InvalidRequestError(f"{name} has {values.size} elements: it must have exactly 1")
+    value = values[0]
+    if isinstance(value, str):
+        return value
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequestError(
+            f"{name} is not valid UTF-8: byte {bytes(value)[e.start : e.start + 1]!r} at offset {e.start}"
+        ) from None
+
+
+def _flag(request, name: str, default: bool | None) -> bool | None:
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return default if tensor is None else bool(tensor.as_numpy().reshape(-1)[0])
+
+
+# ---- responses -----------------------------------------------------------------------------------
+
+
+def error_response(message: str, code_name: str):
+    """`code_name`: a `pb_utils.TritonError` code (INVALID_ARG, INTERNAL, UNAVAILABLE, CANCELLED)."""
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code_name)))
+
+
+def _tensor(name: str, values: list, dtype) -> object:
+    return pb_utils.Tensor(name, np.array(values, dtype=dtype))
+
+
+@dataclass
+class ResponseDelta:
+    """What one response carries: text and counts since the previous response of the same request."""
+
+    text: str
+    finish_reason: str  # "" until the final response
+    cumulative_logprob: float
+    logprobs: list[TokenLogprob] | None  # None: logprobs were not asked for in sampling_parameters
+    num_input_tokens: int
+    num_output_tokens: int
+
+
+def encode_response(delta: ResponseDelta, returns: frozenset[str], decode_token: Callable[[int], str]):
+    tensors = [_tensor("text_output", [delta.text.encode("utf-8")], np.object_)]
+    if "finish_reason" in returns:
+        tensors.append(_tensor("finish_reason", [delta.finish_reason.encode()], np.object_))
+    if "cumulative_logprob" in returns:
+        tensors.append(_tensor("cumulative_logprob", [delta.cumulative_logprob], np.float32))
+    if "logprobs" in returns:
+        tensors.append(_tensor("logprobs", [logprobs_json(delta.logprobs, decode_token).encode()], np.object_))
+    if "num_input_tokens" in returns:
+        tensors.append(_tensor("num_input_tokens", [delta.num_input_tokens], np.uint32))
+    if "num_output_tokens" in returns:
+        tensors.append(_tensor("num_output_tokens", [delta.num_output_tokens], np.uint32))
+    return pb_utils.InferenceResponse(output_tensors=tensors)
+
+
+def logprobs_json(logprobs: list[TokenLogprob] | None, decode_token: Callable[[int], str]) -> str:
+    """The vLLM backend's shape: one {token_id: {logprob, rank, decoded_token}} per generated token."""
+    if logprobs is None:
+        return "null"
+    entries = []
+    for lp in logprobs:
+        ranked = sorted(lp.top.items(), key=lambda kv: -kv[1])
+        entry = {str(t): _logprob_entry(t, v, r, decode_token) for r, (t, v) in enumerate(ranked, start=1)}
+        entry.setdefault(str(lp.token_id), _logprob_entry(lp.token_id, lp.logprob, None, decode_token))
+        entries.append(entry)
+    return json.dumps(entries)
+
+
+def _logprob_entry(token_id: int, logprob: float, rank: int | None, decode_token: Callable[[int], str]) -> dict:
+    return {"logprob": logprob, "rank": rank, "decoded_token": decode_token(token_id)}
