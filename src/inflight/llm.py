@@ -57,13 +57,18 @@ class LLM:
             raise
         results = {rid: _Accumulator(rid) for rid in ids}
         show = len(ids) >= 8 if use_tqdm is None else use_tqdm
+        errors: list[str] = []
         with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
             while engine.has_unfinished_requests():
                 for out in engine.step():
+                    if out.error is not None:  # e.g. a grammar that cannot compile: the caller's input
+                        errors.append(out.error)
                     acc = results[out.request_id]
                     acc.add(out)
                     if out.finished:
                         bar.update(1)
+        if errors:
+            raise InvalidRequestError(errors[0])
         return [results[rid].result() for rid in ids]
 
 

@@ -25,6 +25,9 @@ class RequestOutput:
     new_logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float = 0.0
     num_output_tokens: int = 0
+    # Set when the request failed after it was accepted (e.g. its grammar cannot compile): the message
+    # names the field and the reason, for an INVALID_ARG reply. `finished` is then True.
+    error: str | None = None
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from inflight.coerce import field_types, is_scalar, parse_scalar, type_name
@@ -17,6 +17,100 @@ class InvalidRequestError(ValueError):
 
 def _fail(name: str, value: Any, allowed: str) -> None:
     raise InvalidRequestError(f"{name}={value!r} is invalid: must be {allowed}")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """One output constraint in vLLM's shape: exactly one of json / regex / choice / grammar / json_object.
+
+    `key` is the canonical form of the constraint: equal constraints compile once (the grammar cache key).
+    """
+
+    json: dict[str, Any] | bool | str | None = None  # a JSON schema (object, or its JSON text)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None  # EBNF (GBNF), root rule `root`
+    json_object: bool | None = None  # any JSON object
+    # vLLM's option: JSON without free whitespace between tokens (compact, and far shorter for small models).
+    disable_any_whitespace: bool = False
+
+    CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+    @classmethod
+    def from_value(cls, value: Any, field_name: str = "structured_outputs") -> StructuredOutputsParams:
+        if isinstance(value, StructuredOutputsParams):
+            return value
+        if not isinstance(value, dict):
+            _fail(field_name, value, f"an object with one of the keys {', '.join(cls.CONSTRAINTS)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(
+                f"{field_name} has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}"
+            )
+        given = [k for k in cls.CONSTRAINTS if value.get(k) is not None]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"{field_name} must give exactly one constraint of {', '.join(cls.CONSTRAINTS)}; got "
+                f"{len(given)}{': ' + ', '.join(given) if given else ''}"
+            )
+        (kind,) = given
+        spec = value[kind]
+        name = f"{field_name}.{kind}" if field_name == "structured_outputs" else field_name
+        kwargs: dict[str, Any] = {}
+        if kind == "json":
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except json.JSONDecodeError as e:
+                    raise InvalidRequestError(f"{name} is not valid JSON: {e}") from None
+            if not isinstance(spec, (dict, bool)):
+                _fail(name, spec, "a JSON schema (an object, or its JSON text)")
+        elif kind == "choice":
+            if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
+                _fail(name, spec, "a non-empty list of strings")
+            spec = tuple(spec)
+        elif kind == "json_object":
+            if spec is not True:
+                _fail(name, spec, "true")
+        elif not isinstance(spec, str) or not spec:
+            _fail(name, spec, "a non-empty string")
+        kwargs[kind] = spec
+        opt = value.get("disable_any_whitespace", False)
+        if isinstance(opt, str) and opt.strip().lower() in ("true", "false"):
+            opt = opt.strip().lower() == "true"
+        if not isinstance(opt, bool):
+            _fail(f"{field_name}.disable_any_whitespace", opt, "a bool")
+        return cls(**kwargs, disable_any_whitespace=opt)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.CONSTRAINTS if getattr(self, k) is not None)
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        kind = self.kind
+        spec = getattr(self, kind)
+        text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, ensure_ascii=False)
+        return kind, text, self.disable_any_whitespace
+
+    def to_dict(self) -> dict[str, Any]:
+        spec = getattr(self, self.kind)
+        out = {self.kind: list(spec) if isinstance(spec, tuple) else spec}
+        if self.disable_any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out
+
+
+# The older top-level spellings (Triton's OpenAI frontend and older vLLM clients send these).
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_json_object": "json_object",
+}
+_STRUCTURED_FIELDS = frozenset(_GUIDED_FIELDS) | {"structured_outputs"}
 
 
 @dataclass
@@ -35,6 +129,14 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     logprobs: int | None = None  # top-N logprobs per generated token
+    # Output constraint, as an object ({"json": schema} | {"regex": ...} | {"choice": [...]} |
+    # {"grammar": EBNF} | {"json_object": true}); normalized to StructuredOutputsParams.
+    structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
 
     MAX_LOGPROBS = 20
 
@@ -48,6 +150,7 @@ class SamplingParams:
                 )
             setattr(self, name, list(getattr(self, name)))
         self._check_types()
+        self._resolve_structured_outputs()
         if self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, ">= 1")
         if not (0 <= self.min_tokens <= self.max_tokens):
@@ -74,8 +177,25 @@ class SamplingParams:
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "non-negative token ids")
 
+    def _resolve_structured_outputs(self) -> None:
+        """Fold the guided_* spellings into `structured_outputs`; more than one constraint is an error."""
+        guided = {name: getattr(self, name) for name in _GUIDED_FIELDS if getattr(self, name) is not None}
+        given = (["structured_outputs"] if self.structured_outputs is not None else []) + list(guided)
+        if len(given) > 1:
+            raise InvalidRequestError(
+                f"{' and '.join(given)} are both set: a request takes one output constraint "
+                "(structured_outputs, or one of the older guided_* keys)"
+            )
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
+        elif guided:
+            ((name, value),) = guided.items()
+            self.structured_outputs = StructuredOutputsParams.from_value({_GUIDED_FIELDS[name]: value}, name)
+
     def _check_types(self) -> None:
         for name, kind in field_types(SamplingParams).items():
+            if name in _STRUCTURED_FIELDS:  # shapes checked by _resolve_structured_outputs
+                continue
             value = getattr(self, name)
             if not is_scalar(kind):  # list[str] / list[int]
                 (inner,) = typing.get_args(kind)
@@ -118,6 +238,10 @@ class SamplingParams:
 
 
 def _coerce(name: str, kind: Any, value: Any) -> Any:
+    if name == "guided_json_object" and isinstance(value, str):
+        kind = bool
+    elif name in _STRUCTURED_FIELDS:
+        return value  # a schema may be sent as its JSON text: StructuredOutputsParams reads it
     if not isinstance(value, str) or not is_scalar(kind):
         return value  # native JSON, or a single stop string for the list field
     try:

@@ -16,6 +16,7 @@ from inflight.engine.kv_cache import BlockManager
 from inflight.engine.scheduler import Scheduler
 from inflight.engine.sequence import FinishReason, Sequence
 from inflight.engine.stats import EngineSnapshot, StepStats
+from inflight.engine.structured_output import StructuredOutputManager
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
 from inflight.models.config import ModelConfig
@@ -56,6 +57,7 @@ class LLMEngine:
             config.resolved_attention_backend(),
         )
         self.sampler = Sampler(mc.vocab_size, sorted(self.eos_token_ids))
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -107,6 +109,8 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self.counters["prompt_tokens"] += len(token_ids)
         self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        if params.structured_outputs is not None:
+            self.structured_outputs.add(seq)  # compiles in the background; admitted once ready
         self.scheduler.add(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -175,9 +179,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs = [self._finish_output(seq, "", []) for seq in self._aborted]
         self._aborted.clear()
+        for seq, error in self.structured_outputs.take_failed():
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            outputs.append(self._finish_output(seq, "", [], error=error))
         sched = self.scheduler.schedule()
         self.counters["preemptions"] = self.scheduler.num_preemptions
         if not sched.seqs:
+            if not outputs and self.structured_outputs.has_pending:
+                self.structured_outputs.wait_for_compile(0.01)  # idle but for compiles: do not spin
             return outputs
         num_running = len(self.scheduler.running)
         num_decode = sum(
@@ -189,7 +198,10 @@ class LLMEngine:
         for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
             seq.num_computed_tokens += n
         sampling = [sched.seqs[i] for i in result.sample_rows]
-        sampled = self.sampler(result.logits, sampling) if sampling else None
+        sampled = None
+        if sampling:
+            bitmask = self.structured_outputs.grammar_bitmask(sampling)
+            sampled = self.sampler(result.logits, sampling, bitmask)
         outputs += self._process_samples(sampling, sampled)
         self._record_stats(sched, num_running, num_decode, t0, result.forward_time_s)
         return outputs
@@ -203,6 +215,13 @@ class LLMEngine:
         outputs = []
         for i, (seq, tok, (text, stop_hit)) in enumerate(zip(seqs, tokens, deltas)):
             seq.output_token_ids.append(tok)
+            if seq.structured is not None and not self.structured_outputs.accept(seq, tok):
+                # The bitmask allowed it, so the grammar must take it: a failure here is an engine bug.
+                self.scheduler.finish(seq, FinishReason.ABORT)
+                outputs.append(
+                    self._finish_output(seq, "", [tok], error=f"internal error: the grammar rejected token {tok}")
+                )
+                continue
             new_lp = None
             if logprobs is not None and logprobs[i] is not None:
                 new_lp = [logprobs[i]]
@@ -221,6 +240,8 @@ class LLMEngine:
     def _finish_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
         p = seq.sampling_params
         n = len(seq.output_token_ids)
+        if self.structured_outputs.is_terminated(seq):  # the grammar ended (it took a stop token)
+            return FinishReason.STOP
         if n >= p.min_tokens and ((tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids):
             return FinishReason.STOP
         if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
@@ -243,7 +264,7 @@ class LLMEngine:
             out.append(TokenLogprob(token_id=int(sampled.token_ids[i]), logprob=lps[i], top=top))
         return out
 
-    def _output(self, seq, text, new_tokens, new_lp, finished) -> RequestOutput:
+    def _output(self, seq, text, new_tokens, new_lp, finished, error=None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -254,12 +275,16 @@ class LLMEngine:
             new_logprobs=new_lp,
             cumulative_logprob=seq.cumulative_logprob,
             num_output_tokens=len(seq.output_token_ids),
+            error=error,
         )
 
-    def _finish_output(self, seq: Sequence, text: str, new_tokens: list[int], new_lp=None) -> RequestOutput:
+    def _finish_output(
+        self, seq: Sequence, text: str, new_tokens: list[int], new_lp=None, error: str | None = None
+    ) -> RequestOutput:
         del self._seqs[seq.request_id]
         self._detoks.pop(seq.request_id, None)
-        return self._output(seq, text, new_tokens, new_lp, finished=True)
+        seq.structured = None  # the matcher goes with the request
+        return self._output(seq, text, new_tokens, new_lp, finished=True, error=error)
 
     def _record_stats(self, sched, num_running: int, num_decode: int, t0: float, forward_time: float) -> None:
         arrivals = [s.arrival_time for s in sched.seqs]

@@ -102,12 +102,16 @@ class Scheduler:
                 i += 1
 
         if not self.static and not out.preempted:
-            while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
-                seq = self.waiting[0]
+            w = 0
+            while w < len(self.waiting) and len(self.running) < self.config.max_num_seqs and budget > 0:
+                seq = self.waiting[w]
+                if not seq.is_ready:  # its grammar is compiling: it must not hold up the queue
+                    w += 1
+                    continue
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)
                 if not self.block_manager.allocate(seq, self._reservation(seq, n)):
                     break  # FCFS: the head waits for blocks rather than being overtaken
-                self.waiting.pop(0)
+                self.waiting.pop(w)
                 self._start_running(seq)
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
@@ -116,11 +120,15 @@ class Scheduler:
 
     def _admit_static_batch(self) -> None:
         """Static batching: a whole new batch joins only once the previous one has fully drained."""
-        while self.waiting and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        w = 0
+        while w < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[w]
+            if not seq.is_ready:
+                w += 1
+                continue
             if self.reserve_max_length and not self.block_manager.allocate(seq, self.max_model_len):
                 break
-            self.waiting.pop(0)
+            self.waiting.pop(w)
             self._start_running(seq)
 
     def _start_running(self, seq: Sequence) -> None:

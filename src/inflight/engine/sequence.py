@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inflight.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inflight.engine.structured_output import StructuredRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -36,6 +40,8 @@ class Sequence:
     num_preemptions: int = 0
     # Filled in by the engine as the request progresses (for metrics / benchmarks).
     cumulative_logprob: float = 0.0
+    # The output constraint's compile and matcher (structured outputs); None when unconstrained.
+    structured: StructuredRequest | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -44,6 +50,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_ready(self) -> bool:
+        """False while its grammar compiles: the scheduler leaves it waiting and admits others."""
+        return self.structured is None or self.structured.is_ready
 
     @property
     def is_finished(self) -> bool:

@@ -143,13 +143,22 @@ class Sampler:
         self._id_hash_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
         self._history: weakref.WeakKeyDictionary[Sequence, _TokenHistory] = weakref.WeakKeyDictionary()
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
-        """`logits` is left unmodified; penalties and masks work on a copy."""
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> SamplerOutput:
+        """`logits` is left unmodified; penalties and masks work on a copy. `grammar_bitmask` is
+        (bitmask [B, ceil(V/32)] int32, rows [R]): the structured-output rows and their masks (a set bit
+        allows a token); the other rows of the bitmask are ignored."""
         num_rows = len(seqs)
         vocab = min(self.vocab_size, logits.shape[1])
         params = [s.sampling_params for s in seqs]
 
         work = self.penalize(logits[:, :vocab], seqs)
+        if grammar_bitmask is not None:
+            work = self._apply_grammar(logits[:, :vocab], work, *grammar_bitmask)
         sampled = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
         if not sampled:
             token_ids = work.argmax(-1)
@@ -186,6 +195,27 @@ class Sampler:
         if masked_rows:
             rows = torch.tensor(masked_rows, dtype=torch.int64, device=work.device)
             work[rows, torch.tensor(masked_ids, dtype=torch.int64, device=work.device)] = -math.inf
+        return work
+
+    @staticmethod
+    def _apply_grammar(
+        logits: torch.Tensor, work: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+    ) -> torch.Tensor:
+        """Disallowed tokens of the constrained rows to -inf, in one vectorized pass; other rows untouched."""
+        import xgrammar as xgr  # only batches with a constrained row pay for the import
+
+        if work.data_ptr() == logits.data_ptr():
+            work = work.clone()
+        vocab = work.shape[1]
+        bitmask = bitmask.to(work.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(work, bitmask, vocab_size=vocab, indices=rows.tolist())
+        # min_tokens may have masked the only tokens the grammar allows (its stop tokens once it can
+        # only end): the grammar wins, or the row would have nothing left to sample.
+        dead = rows[torch.isneginf(work[rows.to(work.device)].amax(-1)).cpu()]
+        if dead.numel():
+            d = dead.to(work.device)
+            work[d] = logits[d]
+            xgr.apply_token_bitmask_inplace(work, bitmask, vocab_size=vocab, indices=dead.tolist())
         return work
 
     def _apply_penalties_(self, work: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:

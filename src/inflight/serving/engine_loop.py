@@ -169,6 +169,9 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._active[out.request_id]
+            if out.error is not None:  # failed after admission (its grammar cannot compile)
+                _safe(client.on_error, ErrorKind.INVALID, out.error)
+                continue
             try:
                 client.on_output(out)
             except Exception as e:

@@ -1,0 +1,237 @@
+"""Structured outputs: compile a request's constraint off the engine thread, own its grammar matcher,
+and build the step's token bitmask.
+
+The grammar engine is xgrammar (vLLM's and SGLang's default). A constraint compiles once per
+(kind, spec, options) in a small thread pool; a sequence waits in the scheduler's waiting queue until
+its grammar is ready (`is_ready`) and fails with the compiler's message if it cannot compile. The
+sampler gets one int32 bitmask for the rows that carry a matcher; each matcher then accepts the
+sampled token. Preemption recomputes KV but keeps the output tokens, so a matcher stays valid across
+it; abort and finish drop it with the sequence.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from inflight.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import xgrammar
+    from tokenizers import Tokenizer
+
+    from inflight.engine.sequence import Sequence
+
+log = logging.getLogger("inflight.engine.structured_output")
+
+# A grammar that takes longer than this to compile fails its request rather than wait forever (the
+# compile itself cannot be interrupted; its result still lands in the cache).
+COMPILE_TIMEOUT_S = 60.0
+_CACHE_ENTRIES = 256
+
+
+class GrammarCompileError(Exception):
+    """The constraint could not be compiled; the message says which field and why."""
+
+
+@dataclass(eq=False)
+class StructuredRequest:
+    """One sequence's constraint: the compile in flight, then its matcher."""
+
+    params: StructuredOutputsParams
+    future: cf.Future
+    submitted: float = field(default_factory=time.monotonic)
+    matcher: xgrammar.GrammarMatcher | None = None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.matcher is not None or (self.future.done() and self.future.exception() is None)
+
+    def error(self) -> str | None:
+        """Why this request cannot run, once that is known; None while compiling or when ready."""
+        if self.future.done():
+            exc = self.future.exception()
+            return None if exc is None else str(exc)
+        waited = time.monotonic() - self.submitted
+        if waited > COMPILE_TIMEOUT_S:
+            return f"structured_outputs.{self.params.kind}: grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s"
+        return None
+
+    def get_matcher(self) -> xgrammar.GrammarMatcher:
+        if self.matcher is None:
+            import xgrammar as xgr
+
+            self.matcher = xgr.GrammarMatcher(self.future.result())
+        return self.matcher
+
+
+class StructuredOutputManager:
+    """Owns the compiler (built lazily, on the first constraint), the compile cache and the pool."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2):
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._stop_token_ids = list(stop_token_ids)
+        self._max_workers = max_workers
+        self._pool: cf.ThreadPoolExecutor | None = None
+        self._compiler: xgrammar.GrammarCompiler | None = None
+        self._compiler_lock = threading.Lock()
+        self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
+        self._pending: list[Sequence] = []  # sequences whose grammar is not compiled yet
+        self._bitmask: torch.Tensor | None = None
+        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
+
+    # ---- compiling (the pool's threads) ------------------------------------------------------------
+
+    def request(self, params: StructuredOutputsParams) -> StructuredRequest:
+        """Start (or reuse) the compile of `params`; called on the engine thread, returns at once."""
+        key = params.key
+        fut = self._cache.get(key)  # a failed compile stays cached too: it would fail the same way again
+        if fut is not None:
+            self._cache.move_to_end(key)
+        else:
+            if self._pool is None:
+                self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="inflight-grammar")
+            fut = self._cache[key] = self._pool.submit(self._compile, params)
+            while len(self._cache) > _CACHE_ENTRIES:
+                self._cache.popitem(last=False)
+        return StructuredRequest(params, fut)
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = _make_compiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
+            return self._compiler
+
+    def _compile(self, params: StructuredOutputsParams) -> Any:
+        compiler = self._get_compiler()
+        kind = params.kind
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(
+                    json.dumps(params.json), any_whitespace=not params.disable_any_whitespace
+                )
+            if kind == "json_object":
+                if params.disable_any_whitespace:
+                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}')
+            if kind == "regex":
+                return compiler.compile_regex(params.regex)
+            if kind == "choice":
+                # EBNF string literals take JSON's escapes.
+                return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))
+            return compiler.compile_grammar(params.grammar)
+        except Exception as e:  # xgrammar raises RuntimeError with the parser's position and reason
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise GrammarCompileError(f"structured_outputs.{kind} cannot be compiled: {_strip_location(reason)}") from e
+
+    # ---- the engine thread -------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Attach the compile of the sequence's constraint; it is admitted once `is_ready`."""
+        seq.structured = self.request(seq.sampling_params.structured_outputs)
+        if not seq.structured.is_ready:  # compiling, or failed (reported by the next take_failed)
+            self._pending.append(seq)
+
+    def take_failed(self) -> list[tuple[Sequence, str]]:
+        """Pending sequences whose compile failed or timed out; the ready ones leave the pending list."""
+        if not self._pending:
+            return []
+        failed, still = [], []
+        for seq in self._pending:
+            if seq.is_finished:
+                continue
+            err = seq.structured.error()
+            if err is not None:
+                failed.append((seq, err))
+            elif not seq.structured.future.done():
+                still.append(seq)
+        self._pending = still
+        return failed
+
+    def wait_for_compile(self, timeout_s: float) -> None:
+        """Nothing else to run: block briefly for a compile instead of spinning the engine loop."""
+        futures = [s.structured.future for s in self._pending if not s.is_finished]
+        if futures:
+            cf.wait(futures, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def grammar_bitmask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(bitmask [len(seqs), ceil(V/32)] int32, constrained rows [R]) for the step's sampling rows, or
+        None when no row is constrained. Only the constrained rows of the bitmask are filled."""
+        rows = [i for i, s in enumerate(seqs) if s.structured is not None]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        words = -(-self.vocab_size // 32)
+        if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
+            self._bitmask = torch.empty((2 * len(seqs), words), dtype=torch.int32)
+        bitmask = self._bitmask[: len(seqs)]
+        matchers = [seqs[i].structured.get_matcher() for i in rows]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        else:
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return bitmask, torch.tensor(rows, dtype=torch.int64)
+
+    @staticmethod
+    def accept(seq: Sequence, token_id: int) -> bool:
+        """Advance the sequence's matcher; False if the grammar rejects the token (a masking bug)."""
+        return seq.structured.get_matcher().accept_token(token_id)
+
+    @staticmethod
+    def is_terminated(seq: Sequence) -> bool:
+        return seq.structured is not None and seq.structured.get_matcher().is_terminated()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _strip_location(reason: str) -> str:
+    # "[03:25:07] /project/cpp/regex_converter.cc:83: Regex parsing error ..." -> the reason alone
+    if reason.startswith("[") and ".cc:" in reason:
+        return reason.split(": ", 1)[-1]
+    return reason
+
+
+def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgrammar.GrammarCompiler:
+    import os
+
+    import xgrammar as xgr
+    from transformers import PreTrainedTokenizerFast
+
+    # xgrammar reads the vocabulary type (byte-level, byte-fallback, raw) off a HF fast tokenizer.
+    detected = xgr.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer), vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
+    # Special tokens (<s>, <unk>, ...) are skipped by the detokenizer, so the grammar must never see them
+    # as text: an empty string marks a token as special for xgrammar. Ids past the tokenizer (padding
+    # rows of the model's lm_head) are empty too, hence never allowed.
+    special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    encoded = [""] * vocab_size
+    for text, i in tokenizer.get_vocab(with_added_tokens=True).items():
+        if i < vocab_size and i not in special:
+            encoded[i] = text
+    info = xgr.TokenizerInfo(
+        encoded,
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=detected.add_prefix_space,
+    )
+    return xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)))
