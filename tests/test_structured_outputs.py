@@ -11,6 +11,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
@@ -286,3 +287,36 @@ def test_older_guided_keys_and_string_values():
     so = SamplingParams.from_json(json.dumps({"structured_outputs": {"regex": "a+"}})).structured_outputs
     assert so.key == ("regex", "a+", False) and so.to_dict() == {"regex": "a+"}
     assert SamplingParams().structured_outputs is None
+
+
+def test_grammar_that_never_compiles_fails_after_the_timeout(demo_model_dir, monkeypatch):
+    from inflight.engine import structured_output
+
+    engine = _engine(demo_model_dir)
+    engine.add_request("stuck", "Hello", SamplingParams(max_tokens=4, guided_regex="a+"))
+    stuck = engine._seqs["stuck"]
+    stuck.structured = StructuredRequest(StructuredOutputsParams(regex="a+"), cf.Future())
+    engine.structured_outputs._pending = [stuck]
+    assert engine.step() == []  # still compiling: waits
+    monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.0)
+    (out,) = engine.step()
+    assert out.finished and "structured_outputs.regex" in out.error and "compilation took over" in out.error
+    assert not engine.has_unfinished_requests()
+
+
+def test_padding_ids_past_the_tokenizer_are_never_allowed(demo_model_dir):
+    """A checkpoint's lm_head may be wider than its tokenizer: those ids have no text and stay masked."""
+    from inflight.engine.sequence import Sequence
+    from inflight.engine.structured_output import StructuredOutputManager
+
+    engine = _engine(demo_model_dir)
+    tok_vocab = engine.tokenizer.get_vocab_size()
+    manager = StructuredOutputManager(engine.tokenizer, tok_vocab + 70, [2])
+    seq = Sequence("r", [1, 5], SamplingParams(structured_outputs={"json_object": True}), seed=0, arrival_time=0.0)
+    manager.add(seq)
+    seq.structured.future.result(timeout=60)
+    bitmask, rows = manager.grammar_bitmask([seq])
+    bits = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: tok_vocab + 70]
+    assert rows.tolist() == [0] and bits[:tok_vocab].any() and not bits[tok_vocab:].any()
+    special = [i for i, t in engine.tokenizer.get_added_tokens_decoder().items() if t.special]
+    assert not bits[special].any()  # <unk>, <s>, </s>: no text to match a grammar with
