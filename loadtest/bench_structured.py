@@ -90,7 +90,7 @@ def run(engine: LLMEngine, requests: list[tuple[str, SamplingParams]], tag: str)
 def throughput(engine: LLMEngine, n: int, rounds: int) -> dict:
     so = {"json": schema(), "disable_any_whitespace": True}
     constrained = [
-        (PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=1.0, seed=i, max_tokens=200, structured_outputs=so))
+        (PROMPTS[i % len(PROMPTS)], SamplingParams(temperature=1.0, seed=i, max_tokens=400, structured_outputs=so))
         for i in range(n)
     ]
     run(engine, constrained[:1], "warm")  # compile once: the figure is for compiled grammars

@@ -320,3 +320,29 @@ def test_padding_ids_past_the_tokenizer_are_never_allowed(demo_model_dir):
     assert rows.tolist() == [0] and bits[:tok_vocab].any() and not bits[tok_vocab:].any()
     special = [i for i, t in engine.tokenizer.get_added_tokens_decoder().items() if t.special]
     assert not bits[special].any()  # <unk>, <s>, </s>: no text to match a grammar with
+
+
+def test_guided_key_folds_into_structured_outputs_and_survives_replace():
+    import dataclasses
+
+    p = SamplingParams(guided_regex="a+", max_tokens=4)
+    assert p.guided_regex is None and p.structured_outputs.regex == "a+"
+    q = dataclasses.replace(p, max_tokens=8)
+    assert q.structured_outputs == p.structured_outputs and q.max_tokens == 8
+
+
+def test_json_object_gives_an_object(demo_model_dir):
+    """Any JSON object: with free keys the random model rambles inside its first string until max_tokens
+    (checked here as an object's opening), so only finished outputs are parsed. The schema path it shares
+    is validated to the end by the 64-request test."""
+    engine = _engine(demo_model_dir)
+    so = {"json_object": True, "disable_any_whitespace": True}
+    reqs = {
+        f"o{i}": ("Hello", SamplingParams(temperature=1, seed=i, max_tokens=24, structured_outputs=so))
+        for i in range(4)
+    }
+    r = _run(engine, reqs)
+    assert all(v["text"].startswith('{"') for v in r.values())
+    assert all(isinstance(json.loads(v["text"]), dict) for v in r.values() if v["finish_reason"] == "stop")
+    unconstrained = _run(engine, {"u": ("Hello", SamplingParams(temperature=1, seed=0, max_tokens=24))})
+    assert not unconstrained["u"]["text"].startswith('{"')

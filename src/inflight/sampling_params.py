@@ -191,6 +191,7 @@ class SamplingParams:
         elif guided:
             ((name, value),) = guided.items()
             self.structured_outputs = StructuredOutputsParams.from_value({_GUIDED_FIELDS[name]: value}, name)
+            setattr(self, name, None)  # one home for the constraint: dataclasses.replace() stays valid
 
     def _check_types(self) -> None:
         for name, kind in field_types(SamplingParams).items():

@@ -115,14 +115,11 @@ class StructuredOutputManager:
         compiler = self._get_compiler()
         kind = params.kind
         try:
-            if kind == "json":
-                return compiler.compile_json_schema(
-                    json.dumps(params.json), any_whitespace=not params.disable_any_whitespace
-                )
-            if kind == "json_object":
-                if params.disable_any_whitespace:
-                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-                return compiler.compile_json_schema('{"type": "object"}')
+            if kind in ("json", "json_object"):
+                # json_object: any JSON object (OpenAI's JSON mode), not any JSON value.
+                schema = params.json if kind == "json" else {"type": "object"}
+                whitespace = not params.disable_any_whitespace
+                return compiler.compile_json_schema(json.dumps(schema), any_whitespace=whitespace)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
