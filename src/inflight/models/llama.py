@@ -1,6 +1,7 @@
 """The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norm).
 
-Module names mirror the HF checkpoints so loading is a strict name-for-name copy. Every op that
+Module names mirror the HF checkpoints so loading is a strict name-for-name copy; after loading,
+`fuse_projections` stacks q/k/v and gate/up into one GEMM each (fewer, bigger ops). Every op that
 touches the paged cache, norms or RoPE goes through the attention backend (`ops`), the one seam
 between the torch reference and the Triton kernels.
 """
@@ -45,18 +46,24 @@ class Attention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
 
+    def fuse(self) -> None:
+        """q/k/v as one [Hq + 2 Hkv] * D projection: one GEMM reads x once (vLLM's QKVParallelLinear)."""
+        parts = (self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = _stacked(parts)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x, positions, meta, kv_cache, cos_sin, ops) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q = self.q_proj(x).view(t, self.num_heads, d)
-        k = self.k_proj(x).view(t, self.num_kv_heads, d)
-        v = self.v_proj(x).view(t, self.num_kv_heads, d)
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
         if self.qk_norm:
             q = ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps).view(t, -1, d)
             k = ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps).view(t, -1, d)
         q, k = ops.rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ops.attention(q, k_cache, v_cache, meta, self.scale)
+        out = ops.attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
@@ -67,8 +74,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def fuse(self) -> None:
+        self.gate_up_proj = _stacked((self.gate_proj, self.up_proj))
+        self.intermediate_size = self.gate_proj.out_features
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(nn.functional.silu(gate).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -97,6 +110,12 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fuse_projections(self) -> None:
+        """Called once the HF-named weights are loaded; forward runs the fused layout only."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def init_rope(self, max_positions: int, device: torch.device) -> None:
         inv_freq = rope_inv_freq(self.cfg)
@@ -128,6 +147,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def _stacked(parts: tuple[nn.Linear, ...]) -> nn.Linear:
+    """One Linear whose output rows are the parts' rows, in order (biases likewise)."""
+    w = parts[0].weight
+    with torch.device("meta"):  # parameters come from the parts; no init of a throwaway weight
+        fused = nn.Linear(w.shape[1], sum(p.out_features for p in parts), bias=parts[0].bias is not None)
+    fused.weight = nn.Parameter(torch.cat([p.weight for p in parts]), requires_grad=False)
+    if fused.bias is not None:
+        fused.bias = nn.Parameter(torch.cat([p.bias for p in parts]), requires_grad=False)
+    return fused
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:

@@ -74,5 +74,6 @@ def load_model(
     model.load_state_dict(loaded, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.fuse_projections()
     model.eval().requires_grad_(False)
     return model, cfg

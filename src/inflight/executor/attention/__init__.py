@@ -17,7 +17,7 @@ __all__ = ["AttentionMetadata", "TorchBackend", "get_backend"]
 
 def get_backend(name: str) -> Any:
     if name == "torch":
-        return TorchBackend()
+        return TorchBackend(native=True)
     if name == "triton":
         from inflight.executor.attention.triton_backend import TritonBackend
 

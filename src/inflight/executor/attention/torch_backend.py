@@ -6,6 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from inflight.executor.attention import cpu_paged_attention
 from inflight.executor.attention.metadata import AttentionMetadata
 
 
@@ -18,6 +19,11 @@ class TorchBackend:
     """Reference implementations in plain torch; vectorized over the batch (decode rows in one shot)."""
 
     name = "torch"
+
+    def __init__(self, native: bool = False) -> None:
+        # native: decode attention through the C++ paged op on CPU (when it builds); False = the reference.
+        self.native = native and cpu_paged_attention.load() is not None
+        self._rope_step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def write_kv(
         self,
@@ -42,16 +48,30 @@ class TorchBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        key: torch.Tensor | None = None,  # [T, Hkv, D]: this step's K/V, already written to the cache
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        out = torch.empty_like(query)
-        plan = meta.cache.get("torch_plan")
+        native = self.native and query.device.type == "cpu"
+        plan_key = "torch_plan:native" if native else "torch_plan"
+        plan = meta.cache.get(plan_key)
         if plan is None:
-            plan = meta.cache["torch_plan"] = _plan(meta, k_cache.shape[1], query.device)
-        decode_buckets, prefill = plan
-        for tokens, blocks, lens in decode_buckets:
-            out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, blocks, lens, scale)
+            plan = meta.cache[plan_key] = _plan(meta, k_cache.shape[1], query.device, native)
+        decode, prefill = plan
+        if native and decode is not None and not prefill and decode[0] is None:
+            return cpu_paged_attention.paged_decode_attention(query, k_cache, v_cache, *decode[1:], scale)
+        out = torch.empty_like(query)
+        if native and decode is not None:
+            tokens, blocks, lens = decode
+            out[tokens] = cpu_paged_attention.paged_decode_attention(query[tokens], k_cache, v_cache, blocks, lens, scale)
+        elif decode is not None:
+            for tokens, blocks, lens in decode:
+                out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, blocks, lens, scale)
         for start, end, seq_len, blocks in prefill:
-            out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, blocks, seq_len, scale)
+            if seq_len == end - start and key is not None and value is not None:
+                # A fresh prompt (no cached prefix): its context is exactly this chunk's K/V, no gather.
+                out[start:end] = _causal_attention(query[start:end], key[start:end], value[start:end], scale)
+            else:
+                out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, blocks, seq_len, scale)
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -73,13 +93,23 @@ class TorchBackend:
         positions: torch.Tensor,  # [T]
         cos_sin_cache: tuple[torch.Tensor, torch.Tensor],  # cos, sin: [max_pos, D/2] float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF rotate-half RoPE: x * cos + rotate_half(x) * sin, cos/sin repeated over both halves."""
-        cos, sin = rope_cos_sin(positions, cos_sin_cache)
-        cos, sin = cos[:, None, :], sin[:, None, :]
+        """HF rotate-half RoPE: x * cos + rotate_half(x) * sin, cos/sin repeated over both halves.
+
+        Like HF, cos/sin are cast to the activations' dtype before the multiply. Every layer of a step
+        passes the same `positions` tensor, so the per-token tables are built once per step, not per layer.
+        """
+        step = self._rope_step
+        if step is None or step[0] is not positions or step[1].dtype != query.dtype:
+            cos, sin = rope_cos_sin(positions, cos_sin_cache)
+            cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(query.dtype)  # [T, 1, D]
+            sin = torch.cat((-sin, sin), dim=-1)[:, None, :].to(query.dtype)  # sign of rotate_half folded in
+            step = self._rope_step = (positions, cos, sin)
+        _, cos, sin = step
 
         def rotate(x: torch.Tensor) -> torch.Tensor:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+            half = x.shape[-1] // 2
+            swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+            return torch.addcmul(x * cos, swapped, sin)
 
         return rotate(query), rotate(key)
 
@@ -89,25 +119,39 @@ class TorchBackend:
 DECODE_BUCKET_ROWS = 16
 
 
-def _plan(meta: AttentionMetadata, block_size: int, device: torch.device):
-    """Split the batch once per step: decode rows (1 query token) batched by length, prefill chunks alone."""
+def _plan(meta: AttentionMetadata, block_size: int, device: torch.device, native: bool):
+    """Split the batch once per step: decode rows (1 query token) together, prefill chunks alone.
+
+    Decode: natively, every decode row in one call ((None, tables, lens) when the whole batch decodes);
+    for the reference, rows sorted by length in buckets of DECODE_BUCKET_ROWS. Prefill: (start, end,
+    seq_len, blocks); a fresh prompt (seq_len == its query length, nothing cached before it) needs no blocks.
+    """
     qlens = meta.query_lens_np
     qsl = meta.query_start_loc_np
     is_decode = qlens == 1
-    decode_buckets = []
     rows = np.nonzero(is_decode)[0]
-    rows = rows[np.argsort(meta.seq_lens_np[rows], kind="stable")]
-    for bucket in np.array_split(rows, -(-len(rows) // DECODE_BUCKET_ROWS)) if len(rows) else []:
-        nblk = -(-int(meta.seq_lens_np[bucket[-1]]) // block_size)
-        idx = torch.from_numpy(bucket).to(device)
-        tokens = torch.from_numpy(qsl[bucket].astype(np.int64)).to(device)
-        decode_buckets.append((tokens, meta.block_tables[idx, :nblk].long(), meta.seq_lens[idx]))
+    decode = None
+    if native and len(rows):
+        if len(rows) == len(qlens):
+            decode = (None, meta.block_tables, meta.seq_lens)
+        else:
+            idx = torch.from_numpy(rows).to(device)
+            tokens = torch.from_numpy(qsl[rows].astype(np.int64)).to(device)
+            decode = (tokens, meta.block_tables[idx].contiguous(), meta.seq_lens[idx].contiguous())
+    elif len(rows):
+        decode = []
+        rows = rows[np.argsort(meta.seq_lens_np[rows], kind="stable")]
+        for bucket in np.array_split(rows, -(-len(rows) // DECODE_BUCKET_ROWS)):
+            nblk = -(-int(meta.seq_lens_np[bucket[-1]]) // block_size)
+            idx = torch.from_numpy(bucket).to(device)
+            tokens = torch.from_numpy(qsl[bucket].astype(np.int64)).to(device)
+            decode.append((tokens, meta.block_tables[idx, :nblk].long(), meta.seq_lens[idx]))
     prefill = []
     for r in np.nonzero(~is_decode & (qlens > 0))[0]:
         seq_len = int(meta.seq_lens_np[r])
         nblk = -(-seq_len // block_size)
         prefill.append((int(qsl[r]), int(qsl[r + 1]), seq_len, meta.block_tables[r, :nblk].long()))
-    return decode_buckets, prefill
+    return decode, prefill
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -133,6 +177,15 @@ def _decode_attention(q, k_cache, v_cache, blocks, seq_lens, scale):
         scale=scale,
     )
     return out.reshape(b, hq, d).to(q.dtype)
+
+
+def _causal_attention(q, k, v, scale):
+    # q [L, Hq, D], k/v [L, Hkv, D]: a whole context of L tokens, causal; SDPA's flash path, no mask tensor.
+    hq, hkv = q.shape[1], k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=hq != hkv
+    )
+    return out.transpose(0, 1)
 
 
 def _prefill_attention(q, k_cache, v_cache, blocks, seq_len, scale):

@@ -36,6 +36,8 @@ class TritonBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        key: torch.Tensor | None = None,  # unused: the kernel reads every context token from the cache
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         plan = self._plan(meta, query.shape[1], k_cache.shape[2], query.device)
         return paged_attention(

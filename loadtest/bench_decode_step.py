@@ -1,0 +1,188 @@
+"""The forward pass alone: decode steps (and one prefill) timed against the hardware's floors.
+
+    python -m loadtest.bench_decode_step --model llama50m --dtype float32 bfloat16
+    python -m loadtest.bench_decode_step --profile      # + the top ops and the op count of one decode step
+
+Floors: batch 1 reads every weight once per step, so its floor is weight bytes / the copy bandwidth
+measured here; batch B is GEMM-bound, so its floor is 2 * parameters * B FLOP (plus attention's
+4 * layers * heads * head_dim * context per row) / the GEMM rate measured here on one large matmul in
+the same dtype. Both are printed with the step times and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import torch
+
+from inflight.config import DTYPES
+from inflight.executor.attention import AttentionMetadata
+from inflight.executor.model_runner import ModelRunner
+from inflight.models.loader import load_model
+from loadtest.models import resolve_model
+
+
+def batch_metadata(seq_lens: list[int], query_lens: list[int], block_size: int, device: torch.device):
+    """A batch whose sequences own consecutive blocks: the layout the scheduler would produce."""
+    seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
+    n = np.asarray(query_lens, dtype=np.int64)
+    nblk = -(-seq_lens_np // block_size)
+    tables = np.zeros((len(seq_lens), int(nblk.max())), dtype=np.int32)
+    first = np.concatenate([[0], np.cumsum(nblk)[:-1]])
+    for row, (f, k) in enumerate(zip(first, nblk)):
+        tables[row, :k] = np.arange(f, f + k)
+    qsl = np.concatenate([[0], np.cumsum(n)])
+    positions = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens_np, n)])
+    rows = np.repeat(np.arange(len(seq_lens)), n)
+    slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    meta = AttentionMetadata(
+        slot_mapping=torch.from_numpy(slots).to(device),
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(tables).to(device),
+        query_start_loc_np=qsl,
+        seq_lens_np=seq_lens_np,
+    )
+    return torch.from_numpy(positions).to(device), meta, int(nblk.sum())
+
+
+def time_step(runner: ModelRunner, seq_lens, query_lens, repeats: int) -> float:
+    """Median seconds of one forward (all layers + logits of the last token of each sequence)."""
+    positions, meta0, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
+    ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),))
+    last = torch.from_numpy(meta0.query_start_loc_np[1:] - 1)
+    times = []
+    with torch.inference_mode():
+        for i in range(repeats + 1):
+            meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]  # fresh per-step cache
+            t0 = time.perf_counter()
+            hidden = runner.model(ids, positions, meta, runner.kv_caches, runner.ops)
+            runner.model.compute_logits(hidden[last])
+            if i:  # the first is a warm-up
+                times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def profile_step(runner: ModelRunner, seq_lens, query_lens, top: int = 12) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    positions, meta, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
+    ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),))
+    with torch.inference_mode():
+        runner.model(ids, positions, meta, runner.kv_caches, runner.ops)
+        meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            hidden = runner.model(ids, positions, meta, runner.kv_caches, runner.ops)
+            runner.model.compute_logits(hidden[torch.from_numpy(meta.query_start_loc_np[1:] - 1)])
+    events = prof.key_averages()
+    # Top-level aten ops only (an op called from inside another op is not a separate dispatch).
+    counts = Counter()
+    for e in prof.events():
+        if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")):
+            counts[e.name] += 1
+    total = sum(e.self_cpu_time_total for e in events)
+    rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return {
+        "top_level_ops": sum(counts.values()),
+        "op_counts": dict(counts.most_common(top)),
+        "self_time_share": {e.key: round(e.self_cpu_time_total / total, 3) for e in rows},
+    }
+
+
+def measure_floors(dtype: torch.dtype) -> tuple[float, float]:
+    """(copy bandwidth bytes/s, GEMM FLOP/s) on this machine, now, in `dtype`."""
+    src = torch.empty(64 * 2**20, dtype=torch.uint8)
+    src.fill_(1)
+    dst = torch.empty_like(src)
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t.append(time.perf_counter() - t0)
+    bandwidth = 2 * src.numel() / min(t)  # read + write
+    a = torch.randn(512, 2048).to(dtype)
+    b = torch.randn(2048, 2048).to(dtype)
+    t = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        t.append(time.perf_counter() - t0)
+    return bandwidth, 2 * 512 * 2048 * 2048 / min(t)
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    model_dir = resolve_model(args.model)
+    results = []
+    for dtype_name in args.dtype:
+        dtype = DTYPES[dtype_name]
+        model, cfg = load_model(model_dir, dtype, torch.device("cpu"))
+        ctx = args.context
+        blocks = -(-(ctx + args.prefill) // 16) * max(args.batch) + 64
+        runner = ModelRunner(model, blocks, 16, 4096, dtype, torch.device("cpu"), "torch")
+        params = sum(p.numel() for p in model.parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - (
+            model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+            if not cfg.tie_word_embeddings
+            else 0
+        )
+        matmul_params = params - model.model.embed_tokens.weight.numel() * (not cfg.tie_word_embeddings)
+        bandwidth, flops = measure_floors(dtype)
+        attn_flops_per_row = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * ctx
+        row = {"dtype": dtype_name, "bandwidth_GBps": bandwidth / 1e9, "gemm_GFLOPs": flops / 1e9, "steps": []}
+        for b in args.batch:
+            t = time_step(runner, [ctx] * b, [1] * b, args.repeats)
+            bw_floor = weight_bytes / bandwidth
+            compute_floor = b * (2 * matmul_params + attn_flops_per_row) / flops
+            floor = max(bw_floor, compute_floor)
+            row["steps"].append(
+                {"batch": b, "context": ctx, "ms": t * 1e3, "floor_ms": floor * 1e3, "x_floor": t / floor,
+                 "bound": "weights" if bw_floor >= compute_floor else "compute"}
+            )
+        if args.prefill:
+            t = time_step(runner, [args.prefill], [args.prefill], max(2, args.repeats // 4))
+            floor = args.prefill * 2 * matmul_params / flops
+            row["prefill"] = {"tokens": args.prefill, "ms": t * 1e3, "floor_ms": floor * 1e3, "x_floor": t / floor}
+        if args.profile:
+            row["profile_decode"] = profile_step(runner, [ctx] * args.profile_batch, [1] * args.profile_batch)
+        results.append(row)
+        print_row(row)
+    return results
+
+
+def print_row(row: dict[str, Any]) -> None:
+    print(f"{row['dtype']}: copy bandwidth {row['bandwidth_GBps']:.1f} GB/s, GEMM {row['gemm_GFLOPs']:.0f} GFLOP/s")
+    for s in row["steps"]:
+        print(
+            f"  decode batch {s['batch']:>3} ctx {s['context']}: {s['ms']:7.2f} ms  floor {s['floor_ms']:6.2f} ms "
+            f"({s['bound']})  {s['x_floor']:.2f}x floor"
+        )
+    if "prefill" in row:
+        p = row["prefill"]
+        print(f"  prefill {p['tokens']} tokens: {p['ms']:.1f} ms  floor {p['floor_ms']:.1f} ms  {p['x_floor']:.2f}x")
+    if "profile_decode" in row:
+        prof = row["profile_decode"]
+        print(f"  top-level ops per decode step: {prof['top_level_ops']}; counts {prof['op_counts']}")
+        print(f"  self-time share: {prof['self_time_share']}")
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama50m")
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=list(DTYPES))
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 32, 64])
+    p.add_argument("--context", type=int, default=300, help="context length of every decode row")
+    p.add_argument("--prefill", type=int, default=256, help="one fresh prompt of this length (0: skip)")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--profile", action="store_true")
+    p.add_argument("--profile-batch", type=int, default=32)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
