@@ -140,8 +140,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             compute_floor = b * (2 * matmul_params + attn_flops_per_row) / flops
             floor = max(bw_floor, compute_floor)
             row["steps"].append(
-                {"batch": b, "context": ctx, "ms": t * 1e3, "floor_ms": floor * 1e3, "x_floor": t / floor,
-                 "bound": "weights" if bw_floor >= compute_floor else "compute"}
+                {
+                    "batch": b,
+                    "context": ctx,
+                    "ms": t * 1e3,
+                    "floor_ms": floor * 1e3,
+                    "x_floor": t / floor,
+                    "bound": "weights" if bw_floor >= compute_floor else "compute",
+                }
             )
         if args.prefill:
             t = time_step(runner, [args.prefill], [args.prefill], max(2, args.repeats // 4))

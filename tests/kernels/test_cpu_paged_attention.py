@@ -45,7 +45,12 @@ def test_native_matches_reference(kind, hq, hkv, head_dim, block_size, dtype):
     rows = torch.from_numpy(poisoned.query_start_loc_np[1:][poisoned.seq_lens_np > 0] - 1).long()
     decode_rows = rows[torch.from_numpy(poisoned.metadata().query_lens_np == 1)]
     out = TorchBackend(native=True).attention(
-        poisoned.query, poisoned.k_cache, poisoned.v_cache, poisoned.metadata(), scale, key=poisoned.key,
+        poisoned.query,
+        poisoned.k_cache,
+        poisoned.v_cache,
+        poisoned.metadata(),
+        scale,
+        key=poisoned.key,
         value=poisoned.value,
     )
     assert not out[decode_rows].isnan().any()

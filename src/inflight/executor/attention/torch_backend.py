@@ -62,7 +62,8 @@ class TorchBackend:
         out = torch.empty_like(query)
         if native and decode is not None:
             tokens, blocks, lens = decode
-            out[tokens] = cpu_paged_attention.paged_decode_attention(query[tokens], k_cache, v_cache, blocks, lens, scale)
+            q = query[tokens]
+            out[tokens] = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, blocks, lens, scale)
         elif decode is not None:
             for tokens, blocks, lens in decode:
                 out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, blocks, lens, scale)
