@@ -24,30 +24,37 @@ logger = logging.getLogger(__name__)
 _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 template <typename T>
 static inline float to_f(T x) { return static_cast<float>(x); }
 
-template <typename scalar_t>
+// D is a compile-time constant for the common head sizes: the dot products and the V update then
+// unroll into a few full-width FMAs (a runtime D left the loops scalar: ~2 GFLOP/s measured).
+template <typename scalar_t, int64_t D_FIXED>
 static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables,
                           const at::Tensor& seq_lens, double scale) {
-  const int64_t B = query.size(0), Hq = query.size(1), D = query.size(2);
+  const int64_t B = query.size(0), Hq = query.size(1);
+  const int64_t D = D_FIXED > 0 ? D_FIXED : query.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t G = Hq / Hkv;
-  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-  scalar_t* o_ptr = out.data_ptr<scalar_t>();
+  const scalar_t* __restrict__ q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* __restrict__ k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* __restrict__ v_ptr = v_cache.data_ptr<scalar_t>();
+  scalar_t* __restrict__ o_ptr = out.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t q_stride = query.stride(0), o_stride = out.stride(0), table_stride = block_tables.stride(0);
+  const int64_t row_stride = Hkv * D;  // between consecutive tokens of one head inside a block
   const float fscale = static_cast<float>(scale);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(G * D), acc(G * D), scores, row(D);
+    std::vector<float> qbuf(G * D), accbuf(G * D), scores;
+    float* __restrict__ q = qbuf.data();
+    float* __restrict__ acc = accbuf.data();
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv;
       const int64_t L = lens[b];
@@ -55,19 +62,23 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           q[g * D + d] = to_f(q_ptr[b * q_stride + (h * G + g) * D + d]) * fscale;
-      scores.assign(G * L, 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const scalar_t* k = k_ptr + ((int64_t(table[t / bs]) * bs + t % bs) * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = to_f(k[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          float s = 0.f;
-          const float* qg = q.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * row[d];
-          scores[g * L + t] = s;
+      scores.resize(G * L);
+      float* __restrict__ sc = scores.data();
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const scalar_t* __restrict__ kb = k_ptr + (int64_t(table[t0 / bs]) * bs * Hkv + h) * D;
+        const int64_t n = std::min(bs, L - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* __restrict__ k = kb + i * row_stride;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* __restrict__ qg = q + g * D;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * to_f(k[d]);
+            sc[g * L + t0 + i] = s;
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * L;
+        float* __restrict__ sg = sc + g * L;
         float m = -INFINITY;
         for (int64_t t = 0; t < L; ++t) m = std::max(m, sg[t]);
         float sum = 0.f;
@@ -75,14 +86,17 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
         const float inv = 1.f / sum;
         for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const scalar_t* v = v_ptr + ((int64_t(table[t / bs]) * bs + t % bs) * Hkv + h) * D;
-        for (int64_t d = 0; d < D; ++d) row[d] = to_f(v[d]);
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* ag = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * row[d];
+      for (int64_t i = 0; i < G * D; ++i) acc[i] = 0.f;
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const scalar_t* __restrict__ vb = v_ptr + (int64_t(table[t0 / bs]) * bs * Hkv + h) * D;
+        const int64_t n = std::min(bs, L - t0);
+        for (int64_t i = 0; i < n; ++i) {
+          const scalar_t* __restrict__ v = vb + i * row_stride;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = sc[g * L + t0 + i];
+            float* __restrict__ ag = acc + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] += p * to_f(v[d]);
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g)
@@ -105,7 +119,11 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens: int32 [B]");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    decode_kernel<scalar_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    const int64_t D = query.size(2);
+    if (D == 64) decode_kernel<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    else if (D == 128) decode_kernel<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    else if (D == 32) decode_kernel<scalar_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    else decode_kernel<scalar_t, 0>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
   });
 }
 """
@@ -145,5 +163,6 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty_like(query)
-    _module.paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, scale)
+    with torch.profiler.record_function("inflight::paged_decode_attention"):  # visible in op profiles
+        _module.paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, scale)
     return out
