@@ -67,6 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-result", type=Path, default=None, help="add run 7 from bench_vllm_cpu's JSON")
     p.add_argument("--skip", nargs="*", default=[], choices=["hf", "hf-static", "hf-continuous", "overhead"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="inflight runs")
     p.add_argument("--out", type=Path, default=Path("loadtest/results"))
     p.add_argument("--quick", action="store_true", help="a small smoke run (tests use it)")
     p.add_argument("--no-progress", action="store_true")
@@ -88,6 +89,7 @@ def engine_config(args: argparse.Namespace, policy: str, reservation: str, **ove
         "scheduling_policy": policy,
         "kv_reservation": reservation,
         "device": "cpu",
+        "dtype": args.dtype,
     }
     return EngineConfig(**(kwargs | overrides))
 
