@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -15,11 +16,15 @@ from inflight.sampling_params import SamplingParams
 _ids = itertools.count()
 
 
-def make_seq(prompt_len: int, max_tokens: int, priority: int = 0, arrival: float | None = None) -> Sequence:
+def make_seq(
+    prompt_len: int, max_tokens: int, priority: int = 0, arrival: float | None = None, family: int | None = None
+) -> Sequence:
+    """A prompt of one repeated token: unique per sequence, or shared by every sequence of one `family`
+    (then prompts share their common length as a prefix, and outputs (all 7) share decode blocks too)."""
     i = next(_ids)
     return Sequence(
         request_id=f"s{i}",
-        prompt_token_ids=[1] * prompt_len,
+        prompt_token_ids=[1000 + i if family is None else family] * prompt_len,
         sampling_params=SamplingParams(max_tokens=max_tokens),
         seed=0,
         arrival_time=float(i) if arrival is None else arrival,
@@ -32,6 +37,7 @@ def simulate_step(sched: Scheduler, out) -> list[Sequence]:
     finished = []
     for seq, n in zip(out.seqs, out.num_scheduled_tokens):
         seq.num_computed_tokens += n
+        sched.block_manager.cache_full_blocks(seq)
         if seq.num_computed_tokens == seq.num_tokens:
             seq.output_token_ids.append(7)
             if len(seq.output_token_ids) >= seq.sampling_params.max_tokens:
@@ -45,8 +51,7 @@ def check_invariants(sched: Scheduler, out, cfg: EngineConfig) -> None:
     assert out.total_tokens <= cfg.max_num_batched_tokens
     assert len(out.seqs) <= cfg.max_num_seqs and len(sched.running) <= cfg.max_num_seqs
     assert len({id(s) for s in out.seqs}) == len(out.seqs)
-    held = [b for s in sched.running for b in s.block_table]
-    assert len(held) == len(set(held)) == bm.num_used_blocks, "a block is shared or leaked"
+    check_block_pool(sched)
     for seq, n in zip(out.seqs, out.num_scheduled_tokens):
         assert n >= 1 and seq.num_computed_tokens + n <= seq.num_tokens
         assert len(seq.block_table) * bm.block_size >= seq.num_computed_tokens + n
@@ -54,19 +59,57 @@ def check_invariants(sched: Scheduler, out, cfg: EngineConfig) -> None:
         assert seq.block_table == [] or cfg.scheduling_policy == "static"
 
 
+def check_block_pool(sched: Scheduler) -> None:
+    bm = sched.block_manager
+    holders = [s for s in sched.running + sched.waiting if s.block_table]
+    refs = np.zeros(bm.num_blocks, dtype=np.int64)
+    for s in holders:
+        np.add.at(refs, s.block_table, 1)
+        assert len(set(s.block_table)) == len(s.block_table), "a sequence holds a block twice"
+    assert (refs == bm.ref_counts).all(), "ref counts disagree with the block tables (leak or double free)"
+    free = list(bm._free)
+    assert len(free) == len(set(free)) == bm.num_free_blocks
+    assert not (bm.ref_counts[free] != 0).any(), "a block is both free and referenced"
+    assert bm.num_used_blocks == int((refs > 0).sum())
+    # A shared block holds one content: every holder has the same tokens up to its end (KV depends on them).
+    contents: dict[int, list[int]] = {}
+    for s in holders:
+        tokens = s.all_token_ids()
+        for i, b in enumerate(s.block_table):
+            end = min((i + 1) * bm.block_size, s.num_computed_tokens)
+            if end <= i * bm.block_size:
+                continue
+            prefix = tokens[:end]
+            if bm.ref_counts[b] > 1:
+                assert end == (i + 1) * bm.block_size, "a shared block is not full"
+                assert contents.setdefault(b, prefix) == prefix, "one block shared across different contents"
+    for b, tokens in enumerate(bm._block_tokens):
+        if tokens is not None:
+            assert bm._cached[bm._block_hash[b]] == b
+
+
 @settings(max_examples=60, deadline=None)
 @given(
-    lengths=st.lists(st.tuples(st.integers(1, 70), st.integers(1, 30), st.integers(0, 2)), min_size=1, max_size=12),
+    lengths=st.lists(
+        st.tuples(st.integers(1, 70), st.integers(1, 30), st.integers(0, 2), st.sampled_from([None, 1, 2])),
+        min_size=1,
+        max_size=12,
+    ),
     max_num_seqs=st.integers(1, 6),
     budget=st.integers(1, 64),
     num_blocks=st.integers(7, 40),
     policy=st.sampled_from(["continuous", "static"]),
     reservation=st.sampled_from(["paged", "max_length"]),
     late=st.integers(0, 6),
+    aborts=st.lists(st.integers(0, 40), max_size=3),
+    caching=st.booleans(),
 )
-def test_every_request_finishes_within_budgets(lengths, max_num_seqs, budget, num_blocks, policy, reservation, late):
+def test_every_request_finishes_within_budgets(
+    lengths, max_num_seqs, budget, num_blocks, policy, reservation, late, aborts, caching
+):
     block_size, max_model_len = 8, 100
     cfg = EngineConfig(
+        enable_prefix_caching=caching,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         block_size=block_size,
@@ -74,23 +117,29 @@ def test_every_request_finishes_within_budgets(lengths, max_num_seqs, budget, nu
         scheduling_policy=policy,
         kv_reservation=reservation,
     )
-    bm = BlockManager(num_blocks, block_size)
+    bm = BlockManager(num_blocks, block_size, caching)
     sched = Scheduler(cfg, bm, max_model_len)
     reservation_blocks = bm.blocks_for(max_model_len)
     # The engine rejects up front what can never fit; mirror that so every request here is admissible.
     fits = [
-        (p, m, pr)
-        for p, m, pr in lengths
+        (p, m, pr, fam)
+        for p, m, pr, fam in lengths
         if bm.blocks_for(p + m) <= num_blocks and (reservation == "paged" or reservation_blocks <= num_blocks)
     ]
-    seqs = [make_seq(p, m, pr) for p, m, pr in fits]
+    seqs = [make_seq(p, m, pr, family=fam) for p, m, pr, fam in fits]
     for s in seqs[: len(seqs) - late]:
         sched.add(s)
     pending = seqs[len(seqs) - late :]
-    done, steps = [], 0
+    done, aborted, steps = [], [], 0
     while sched.has_unfinished() or pending:
         if pending and steps % 3 == 2:
             sched.add(pending.pop(0))
+        if steps in aborts and sched.running:
+            # Abort the oldest running sequence: likely the owner of blocks others share.
+            victim = sched.running[0]
+            sched.finish(victim, FinishReason.ABORT)
+            aborted.append(victim)
+            check_block_pool(sched)
         running_before = list(sched.running)
         out = sched.schedule()
         check_invariants(sched, out, cfg)
@@ -101,9 +150,14 @@ def test_every_request_finishes_within_budgets(lengths, max_num_seqs, budget, nu
         done += simulate_step(sched, out)
         steps += 1
         assert steps < 5000, "no progress"
-    assert sorted(s.request_id for s in done) == sorted(s.request_id for s in seqs)
-    assert all(len(s.output_token_ids) == s.sampling_params.max_tokens for s in seqs)
-    assert bm.num_free_blocks == num_blocks
+    assert sorted(s.request_id for s in done + aborted) == sorted(s.request_id for s in seqs)
+    assert all(len(s.output_token_ids) == s.sampling_params.max_tokens for s in done)
+    # Every block is free again (cached ones too: evictable); none leaked.
+    assert bm.num_free_blocks == num_blocks and not bm.ref_counts.any()
+    assert caching or bm.num_cached_blocks == 0
+    if caching and policy == "continuous" and reservation == "paged":
+        shared = [s for s in seqs if s.num_cached_tokens]
+        assert all(s.num_cached_tokens % block_size == 0 and s.num_cached_tokens < s.num_prompt_tokens for s in shared)
 
 
 def engine_cfg(**kw) -> EngineConfig:

@@ -45,6 +45,7 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     kv_reservation: str = "paged"
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
 
     def __post_init__(self) -> None:

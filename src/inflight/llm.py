@@ -81,6 +81,7 @@ class _Accumulator:
         self.logprobs: list | None = None
         self.finish_reason: str | None = None
         self.cumulative_logprob = 0.0
+        self.num_cached_tokens = 0
 
     def add(self, out) -> None:
         self.prompt_token_ids = out.prompt_token_ids
@@ -89,6 +90,7 @@ class _Accumulator:
         if out.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + out.new_logprobs
         self.cumulative_logprob = out.cumulative_logprob
+        self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
 
@@ -101,4 +103,5 @@ class _Accumulator:
             finish_reason=self.finish_reason,
             logprobs=self.logprobs,
             cumulative_logprob=self.cumulative_logprob,
+            num_cached_tokens=self.num_cached_tokens,
         )

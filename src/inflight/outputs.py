@@ -28,6 +28,7 @@ class RequestOutput:
     # Set when the request failed after it was accepted (e.g. its grammar cannot compile): the message
     # names the field and the reason, for an INVALID_ARG reply. `finished` is then True.
     error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -41,4 +42,5 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float = 0.0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)

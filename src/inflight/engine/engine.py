@@ -45,7 +45,7 @@ class LLMEngine:
                 f"kv_reservation='max_length' needs max_model_len={self.max_model_len} tokens per sequence but the "
                 f"KV cache holds {self.num_kv_blocks * block_size}; lower max_model_len or raise the KV budget"
             )
-        self.block_manager = BlockManager(self.num_kv_blocks, block_size)
+        self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
@@ -165,6 +165,9 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_free=self.block_manager.num_free_blocks,
+            num_kv_blocks_cached=self.block_manager.num_cached_blocks,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
             max_num_seqs=self.config.max_num_seqs,
             last_step=self.last_step_stats,
         )
@@ -197,6 +200,7 @@ class LLMEngine:
         result = self.runner.execute(sched)
         for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
             seq.num_computed_tokens += n
+            self.block_manager.cache_full_blocks(seq)
         sampling = [sched.seqs[i] for i in result.sample_rows]
         sampled = None
         if sampling:
@@ -276,6 +280,7 @@ class LLMEngine:
             cumulative_logprob=seq.cumulative_logprob,
             num_output_tokens=len(seq.output_token_ids),
             error=error,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     def _finish_output(
@@ -299,6 +304,7 @@ class LLMEngine:
             num_decode_seqs=num_decode,
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_total=self.block_manager.num_blocks,
+            num_kv_blocks_cached=self.block_manager.num_cached_blocks,
             num_preemptions=self.scheduler.num_preemptions,
             arrival_spread_s=max(arrivals) - min(arrivals),
             step_time_s=time.perf_counter() - t0,

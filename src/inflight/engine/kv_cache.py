@@ -1,49 +1,161 @@
-"""Paged KV block allocator: a free list and reference counts over `num_blocks` fixed-size blocks."""
+"""Paged KV block pool: reference counts, an LRU free queue, and the prefix cache (vLLM's `BlockPool`).
+
+A full, computed block is registered under a chained hash of (parent block's hash, its token ids, extra
+keys). A freed block keeps its contents and its hash while it waits in the free queue, so a later
+request with the same prefix takes it back instead of recomputing it; an allocation evicts the
+least-recently-freed one. Blocks that hold nothing reusable are handed out before any cached one.
+"""
 
 from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
 
 import numpy as np
 
 from inflight.engine.sequence import Sequence
 
+ROOT_HASH = b""  # the parent of a sequence's first block
+
+
+def hash_block(parent: bytes, token_ids: Seq[int], extra_keys: tuple = ()) -> bytes:
+    """Chained block hash. sha256 rather than Python's `hash`: a 64-bit collision would serve wrong KV.
+
+    `extra_keys` is reserved for what changes a block's KV besides its tokens (LoRA, a cache salt).
+    """
+    h = hashlib.sha256(parent)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        # LIFO free list: a just-freed block is reused first, while its cache lines may still be warm.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
+        # Blocks with ref count 0, allocated from the front. Cached blocks join at the back (evicted
+        # least-recently-freed first), blocks without reusable contents at the front (handed out first,
+        # most recently freed first: their cache lines may still be warm). OrderedDict: O(1) removal on a hit.
+        self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self._block_hash: list[bytes | None] = [None] * num_blocks
+        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._cached: dict[bytes, int] = {}  # block hash -> the block holding those contents
+        self._num_free_cached = 0
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: unused ones and cached ones nobody references (evictable)."""
         return len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one sequence."""
         return self.num_blocks - len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold a reusable prefix (a subset of `num_free_blocks`)."""
+        return self._num_free_cached
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow `seq.block_table` to hold `num_tokens` tokens. All or nothing: False if blocks are short."""
-        need = self.blocks_for(num_tokens) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if need > len(self._free):
+    # ---- prefix cache ------------------------------------------------------------------------------
+
+    def _block_tokens_of(self, seq: Sequence, index: int) -> tuple[int, ...]:
+        start, end = index * self.block_size, (index + 1) * self.block_size
+        if end <= seq.num_prompt_tokens:
+            return tuple(seq.prompt_token_ids[start:end])
+        return tuple(seq.token_at(j) for j in range(start, end))
+
+    def _seq_hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """The chained hashes of `seq`'s first `num_blocks` full blocks, computed once and kept on it."""
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, self._block_tokens_of(seq, len(hashes))))
+        return hashes
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of `seq`, at most `num_tokens - 1` tokens (the last
+        token is always recomputed, so the request samples from fresh logits). Takes nothing yet."""
+        if not self.enable_prefix_caching:
+            return []
+        max_blocks = (seq.num_tokens - 1) // self.block_size
+        hit: list[int] = []
+        for i, h in enumerate(self._seq_hashes(seq, max_blocks)):
+            block = self._cached.get(h)
+            # A hash match is not trusted alone: the token ids must match too.
+            if block is None or self._block_tokens[block] != self._block_tokens_of(seq, i):
+                break
+            hit.append(block)
+        return hit
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register `seq`'s blocks that are full and computed, as they fill (prefill chunks and decode)."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks:
+            return
+        hashes = self._seq_hashes(seq, num_full)
+        for i in range(seq.num_registered_blocks, num_full):
+            block, h = seq.block_table[i], hashes[i]
+            # Same contents computed twice (two requests prefilling one prompt at once): keep the first.
+            if self._block_hash[block] is None and h not in self._cached:
+                self._block_hash[block] = h
+                self._block_tokens[block] = self._block_tokens_of(seq, i)
+                self._cached[h] = block
+        seq.num_registered_blocks = num_full
+
+    def _evict(self, block: int) -> None:
+        h = self._block_hash[block]
+        if h is not None:
+            del self._cached[h]
+            self._block_hash[block] = None
+            self._block_tokens[block] = None
+
+    # ---- allocation ------------------------------------------------------------------------------------
+
+    def allocate(self, seq: Sequence, num_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+        """Grow `seq.block_table` to hold `num_tokens` tokens, starting with `cached_blocks` (a prefix hit
+        from `find_cached_prefix`, for a sequence that holds no blocks yet). All or nothing: False if
+        blocks are short."""
+        table = seq.block_table
+        assert not cached_blocks or not table, "a prefix hit is taken by a sequence holding no blocks"
+        need = self.blocks_for(num_tokens) - len(table) - len(cached_blocks)
+        # Hit blocks sitting in the free queue are not free for the new blocks any more.
+        reclaimed = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        if max(need, 0) + reclaimed > len(self._free):
             return False
-        new = self._free[-need:]
-        del self._free[-need:]
-        self.ref_counts[new] += 1
-        seq.block_table.extend(new)
+        for b in cached_blocks:
+            if self.ref_counts[b] == 0:
+                del self._free[b]
+                self._num_free_cached -= 1
+            self.ref_counts[b] += 1
+            table.append(b)
+        for _ in range(need):
+            b, _ = self._free.popitem(last=False)
+            if self._block_hash[b] is not None:
+                self._num_free_cached -= 1
+                self._evict(b)
+            self.ref_counts[b] = 1
+            table.append(b)
         return True
 
     def free(self, seq: Sequence) -> None:
-        if not seq.block_table:
-            return
-        table = np.asarray(seq.block_table, dtype=np.int64)
-        self.ref_counts[table] -= 1
-        released = table[self.ref_counts[table] == 0]
-        self._free.extend(released[::-1].tolist())
+        """Release `seq`'s blocks, tail first, so a prefix outlives its suffixes in the LRU order."""
+        for b in reversed(seq.block_table):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self._free[b] = None
+                if self._block_hash[b] is not None:
+                    self._num_free_cached += 1
+                else:
+                    self._free.move_to_end(b, last=False)
         seq.block_table = []
+        seq.num_registered_blocks = 0

@@ -3,6 +3,7 @@
 One rule: a running sequence is scheduled `num_tokens - num_computed_tokens` tokens, capped by what is
 left of `max_num_batched_tokens`. A fresh prompt is therefore prefilled (in chunks when long), a
 sequence that just sampled gets 1 token (decode), and a preempted one recomputes — all in one batch.
+A prefix cache hit at admission only sets `num_computed_tokens`: the same rule then computes the rest.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ class Scheduler:
         self._order: dict[Sequence, tuple] = {}
         self._counter = itertools.count()
         self.num_preemptions = 0
+        # Prefix cache lookups at first admission, in prompt tokens (a resumed preemption is not a query).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def _key(self, seq: Sequence) -> tuple:
         return self._order[seq]
@@ -108,10 +112,13 @@ class Scheduler:
                 if not seq.is_ready:  # its grammar is compiling: it must not hold up the queue
                     w += 1
                     continue
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                if not self.block_manager.allocate(seq, self._reservation(seq, n)):
+                cached = self.block_manager.find_cached_prefix(seq)
+                num_cached = len(cached) * self.block_manager.block_size
+                n = min(seq.num_tokens - num_cached, budget)
+                if not self.block_manager.allocate(seq, self._reservation(seq, num_cached + n), cached):
                     break  # FCFS: the head waits for blocks rather than being overtaken
                 self.waiting.pop(w)
+                self._set_cached(seq, num_cached)
                 self._start_running(seq)
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
@@ -126,10 +133,21 @@ class Scheduler:
             if not seq.is_ready:
                 w += 1
                 continue
-            if self.reserve_max_length and not self.block_manager.allocate(seq, self.max_model_len):
+            cached = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(cached) * self.block_manager.block_size
+            if not self.block_manager.allocate(seq, self._reservation(seq, num_cached), cached):
                 break
             self.waiting.pop(w)
+            self._set_cached(seq, num_cached)
             self._start_running(seq)
+
+    def _set_cached(self, seq: Sequence, num_cached: int) -> None:
+        seq.num_computed_tokens = num_cached
+        seq.num_registered_blocks = num_cached // self.block_manager.block_size
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = num_cached
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING

@@ -38,6 +38,12 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    # Prefix cache: chained hashes of the full blocks (kept across preemption: the tokens do not change),
+    # how many of `block_table`'s blocks are registered in the cache, and the prompt tokens served from
+    # the cache at first admission (None until admitted).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int | None = None
     # Filled in by the engine as the request progresses (for metrics / benchmarks).
     cumulative_logprob: float = 0.0
     # The output constraint's compile and matcher (structured outputs); None when unconstrained.

@@ -17,13 +17,14 @@ class StepStats:
     num_scheduled_tokens: int
     num_prefill_tokens: int  # tokens of sequences still working through their prompt (or a recompute)
     num_decode_seqs: int
-    num_kv_blocks_used: int
+    num_kv_blocks_used: int  # referenced by a sequence
     num_kv_blocks_total: int
     num_preemptions: int  # cumulative
     arrival_spread_s: float  # latest minus earliest arrival among this step's sequences
     step_time_s: float
     forward_time_s: float  # model forward + logits (the rest of the step is engine overhead)
     max_num_seqs: int
+    num_kv_blocks_cached: int = 0  # free but holding a reusable prefix (evicted only when blocks run short)
 
     @property
     def occupancy(self) -> float:
@@ -44,3 +45,6 @@ class EngineSnapshot:
     num_kv_blocks_free: int
     max_num_seqs: int
     last_step: StepStats | None
+    num_kv_blocks_cached: int = 0  # a subset of num_kv_blocks_free: reusable prefixes, evictable
+    prefix_cache_queries: int = 0  # cumulative, prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0  # cumulative, of those, tokens served from the cache
