@@ -24,6 +24,7 @@ RETURN_FLAGS = {
     "return_logprobs": "logprobs",
     "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens",
+    "return_num_cached_tokens": "num_cached_tokens",
 }
 
 
@@ -116,6 +117,7 @@ class ResponseDelta:
     logprobs: list[TokenLogprob] | None  # None: logprobs were not asked for in sampling_parameters
     num_input_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the same in every response)
 
 
 def encode_response(delta: ResponseDelta, returns: frozenset[str], decode_token: Callable[[int], str]):
@@ -130,6 +132,8 @@ def encode_response(delta: ResponseDelta, returns: frozenset[str], decode_token:
         tensors.append(_tensor("num_input_tokens", [delta.num_input_tokens], np.uint32))
     if "num_output_tokens" in returns:
         tensors.append(_tensor("num_output_tokens", [delta.num_output_tokens], np.uint32))
+    if "num_cached_tokens" in returns:
+        tensors.append(_tensor("num_cached_tokens", [delta.num_cached_tokens], np.uint32))
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 

@@ -30,7 +30,12 @@ class TritonMetrics:
 
         gauge, counter, histogram = family.GAUGE, family.COUNTER, family.HISTOGRAM
         self.requests = make("inflight_requests", "Requests in the engine by state", gauge, ["running", "waiting"])
-        self.kv_blocks = make("inflight_kv_blocks", "Paged KV cache blocks by state", gauge, ["used", "free"])
+        self.kv_blocks = make(
+            "inflight_kv_blocks",
+            "Paged KV cache blocks by state (cached: free blocks holding a reusable prefix, a subset of free)",
+            gauge,
+            ["used", "free", "cached"],
+        )
         self.occupancy = make(
             "inflight_batch_occupancy_ratio", "Running sequences / max_num_seqs after the last step", gauge
         )
@@ -45,6 +50,19 @@ class TritonMetrics:
         self.preemptions = make("inflight_preemptions_total", "Sequences preempted (KV freed, recomputed)", counter)
         self.prompt_tokens = make("inflight_prompt_tokens_total", "Prompt tokens admitted", counter)
         self.generation_tokens = make("inflight_generation_tokens_total", "Tokens generated", counter)
+        # Prefix cache, in prompt tokens looked up / found at first admission (hit rate = hits / queries).
+        self.prefix_cache_queries = make(
+            "inflight_prefix_cache_queries_total", "Prompt tokens looked up in the prefix cache", counter
+        )
+        self.prefix_cache_hits = make(
+            "inflight_prefix_cache_hits_total", "Prompt tokens served from the prefix cache", counter
+        )
+        self.vllm_prefix_cache_queries = make(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens", counter
+        )
+        self.vllm_prefix_cache_hits = make(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", counter
+        )
         self.ttft = make(
             "inflight_time_to_first_token_seconds", "Request arrival to first text sent", histogram, None, TTFT_BUCKETS
         )
@@ -58,26 +76,36 @@ class TritonMetrics:
         self.e2e = make(
             "inflight_e2e_request_latency_seconds", "Request arrival to final response", histogram, None, E2E_BUCKETS
         )
-        self._counted = {"num_preemptions": 0, "prompt_tokens": 0, "generation_tokens": 0}
+        self._counted = {
+            "num_preemptions": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+        }
         self._max_spread = 0.0
         self._steps_seen = -1
 
     def update(self, snap: EngineSnapshot) -> None:
         """Refresh from one snapshot of the engine."""
         # Counters before gauges: a reader that sees the gauges of this iteration sees its counters too.
-        for key, metric in (
-            ("num_preemptions", self.preemptions),
-            ("prompt_tokens", self.prompt_tokens),
-            ("generation_tokens", self.generation_tokens),
+        for key, metrics in (
+            ("num_preemptions", [self.preemptions]),
+            ("prompt_tokens", [self.prompt_tokens]),
+            ("generation_tokens", [self.generation_tokens]),
+            ("prefix_cache_queries", [self.prefix_cache_queries, self.vllm_prefix_cache_queries]),
+            ("prefix_cache_hits", [self.prefix_cache_hits, self.vllm_prefix_cache_hits]),
         ):
             value = getattr(snap, key)
             if value > self._counted[key]:
-                metric.increment(value - self._counted[key])
+                for metric in metrics:
+                    metric.increment(value - self._counted[key])
                 self._counted[key] = value
         self.requests["running"].set(snap.num_running)
         self.requests["waiting"].set(snap.num_waiting)
         self.kv_blocks["used"].set(snap.num_kv_blocks_used)
         self.kv_blocks["free"].set(snap.num_kv_blocks_free)
+        self.kv_blocks["cached"].set(snap.num_kv_blocks_cached)
         self.occupancy.set(snap.num_running / snap.max_num_seqs)
         stats = snap.last_step
         if stats is not None and snap.steps != self._steps_seen:

@@ -134,6 +134,7 @@ class ResponseWriter:
             logprobs=self._logprobs if self.req.params.logprobs is not None else None,
             num_input_tokens=len(out.prompt_token_ids),
             num_output_tokens=self._num_tokens,
+            num_cached_tokens=out.num_cached_tokens,
         )
         response = encode_response(delta, self.req.returns, self._decode_token)
         self._text, self._num_tokens, self._logprobs = [], 0, []
