@@ -23,6 +23,7 @@ class StepRecord:
     num_scheduled_tokens: int
     step_time_s: float
     forward_time_s: float
+    num_kv_blocks_cached: int = 0  # free blocks still holding a reusable prefix
 
 
 @dataclass
@@ -39,6 +40,12 @@ class RunResult:
     config: dict[str, Any] = field(default_factory=dict)
     note: str = ""
     contention: float | None = None  # share of the machine's CPU other processes used during the run
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache during the run
+    prefix_cache_hits: int = 0  # of those, tokens served from the cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -97,6 +104,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "latency_s": percentiles(run.latency_s),
         "num_requests": len(run.latency_s),
         "contention": run.contention,
+        "prefix_cache_hit_rate": run.prefix_cache_hit_rate,
         "note": run.note,
     }
     if steps:
@@ -106,6 +114,7 @@ def summarize(run: RunResult) -> dict[str, Any]:
             "occupancy_mean": occupancy(steps, run.max_num_seqs, queued_only=False),
             "peak_running": max(s.num_running for s in steps),
             "peak_kv_blocks": max(s.num_kv_blocks_used for s in steps),
+            "peak_kv_blocks_cached": max(s.num_kv_blocks_cached for s in steps),
             "kv_blocks_total": run.num_kv_blocks_total,
             "preemptions": run.num_preemptions,
             "overhead_share": overhead_share(steps),

@@ -54,18 +54,25 @@ def occupancy_over_time(runs: list[RunResult], path: Path) -> Path:
     return _save(fig, path)
 
 
-def kv_blocks_over_time(runs: list[RunResult], path: Path) -> Path:
+KV_TITLE = "KV cache: paged holds what is used, max_length reserves the worst case"
+
+
+def kv_blocks_over_time(runs: list[RunResult], path: Path, title: str = KV_TITLE) -> Path:
+    """Blocks in use (solid) and, where the prefix cache keeps any, free blocks holding cached prefixes (dotted)."""
     fig, ax = plt.subplots(figsize=SIZE)
     for run in runs:
         t, v = _step_series(run, lambda s: s.num_kv_blocks_used)
         peak_seqs = max(s.num_running for s in run.steps)
-        ax.step(t, v, where="post", label=f"{run.name} (peak {int(v.max())} blocks, {peak_seqs} sequences)")
+        (line,) = ax.step(t, v, where="post", label=f"{run.name} in use (peak {int(v.max())}, {peak_seqs} seqs)")
+        t, c = _step_series(run, lambda s: s.num_kv_blocks_cached)
+        if c.any():
+            ax.step(t, c, where="post", ls=":", color=line.get_color(), label=f"{run.name} cached, free")
     total = runs[0].num_kv_blocks_total
     if total:
         ax.axhline(total, color="k", ls="--", lw=0.8, label=f"KV budget ({total} blocks)")
     ax.set_xlabel("time since start (s)")
-    ax.set_ylabel("KV blocks in use")
-    ax.set_title("KV cache: paged holds what is used, max_length reserves the worst case")
+    ax.set_ylabel("KV blocks")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     return _save(fig, path)
 

@@ -43,6 +43,7 @@ def run_engine(
     """`stop_when_queue_empty`: abort what is still running once nothing waits (overhead-only runs)."""
     engine = LLMEngine(model_dir, config)
     warm_up(engine)
+    snap0 = engine.snapshot()
     pending = sorted(trace, key=lambda r: r.arrival_s)
     arrival: dict[str, float] = {}
     first: dict[str, float] = {}
@@ -82,11 +83,13 @@ def run_engine(
                     num_scheduled_tokens=stats.num_scheduled_tokens,
                     step_time_s=stats.step_time_s,
                     forward_time_s=stats.forward_time_s,
+                    num_kv_blocks_cached=stats.num_kv_blocks_cached,
                 )
             )
         if stop_when_queue_empty and nxt == len(pending) and not engine.scheduler.waiting:
             break
     wall = (max(done.values()) if done else time.monotonic()) - t0
+    snap = engine.snapshot()
     bar.close()
     result = RunResult(
         name=name,
@@ -98,6 +101,8 @@ def run_engine(
         steps=steps,
         num_kv_blocks_total=engine.num_kv_blocks,
         num_preemptions=engine.scheduler.num_preemptions,
+        prefix_cache_queries=snap.prefix_cache_queries - snap0.prefix_cache_queries,
+        prefix_cache_hits=snap.prefix_cache_hits - snap0.prefix_cache_hits,
         config={
             "scheduling_policy": config.scheduling_policy,
             "kv_reservation": config.kv_reservation,
@@ -106,6 +111,7 @@ def run_engine(
             "num_kv_blocks": engine.num_kv_blocks,
             "block_size": config.block_size,
             "max_model_len": engine.max_model_len,
+            "enable_prefix_caching": config.enable_prefix_caching,
         },
     )
     del engine

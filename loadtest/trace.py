@@ -93,6 +93,61 @@ def make_trace(spec: TraceSpec, vocab_size: int, first_token_id: int = 3) -> lis
     ]
 
 
+@dataclass(frozen=True)
+class SharedPrefixSpec:
+    """Chat/agent/RAG traffic: every request is one of `num_prefixes` system prompts + its own suffix."""
+
+    num_requests: int = 256
+    num_prefixes: int = 8
+    prefix_len: int = 1000
+    suffix_len: tuple[int, int] = (32, 256)  # inclusive bounds, uniform
+    output_len: tuple[int, int] = (16, 128)  # inclusive bounds, uniform
+    rate: float | None = None  # Poisson arrivals per second; None: every request arrives at t = 0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_prefixes <= self.num_requests:
+            raise ValueError(f"num_prefixes={self.num_prefixes} must be in [1, num_requests={self.num_requests}]")
+        if self.prefix_len < 1:
+            raise ValueError(f"prefix_len={self.prefix_len} must be >= 1")
+        for name in ("suffix_len", "output_len"):
+            lo, hi = getattr(self, name)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name}={(lo, hi)} must satisfy 1 <= low <= high")
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.prefix_len + self.suffix_len[1] + self.output_len[1]
+
+
+def make_shared_prefix_trace(spec: SharedPrefixSpec, vocab_size: int, first_token_id: int = 3) -> list[TraceRequest]:
+    """Deterministic; request i uses system prompt i % num_prefixes, so the groups interleave in arrival order."""
+    rng = np.random.default_rng(spec.seed)
+    n = spec.num_requests
+    prefixes = rng.integers(first_token_id, vocab_size, size=(spec.num_prefixes, spec.prefix_len))
+    suffix_lens = rng.integers(spec.suffix_len[0], spec.suffix_len[1] + 1, size=n)
+    out = rng.integers(spec.output_len[0], spec.output_len[1] + 1, size=n)
+    if spec.rate is None:
+        arrivals = np.zeros(n)
+    else:
+        arrivals = np.cumsum(rng.exponential(1.0 / spec.rate, size=n))
+        arrivals -= arrivals[0]
+    return [
+        TraceRequest(
+            request_id=f"req-{i:05d}",
+            prompt_token_ids=tuple(
+                int(t)
+                for t in np.concatenate(
+                    [prefixes[i % spec.num_prefixes], rng.integers(first_token_id, vocab_size, size=suffix_lens[i])]
+                )
+            ),
+            output_len=int(out[i]),
+            arrival_s=float(arrivals[i]),
+        )
+        for i in range(n)
+    ]
+
+
 def static_batches(trace: Sequence[TraceRequest], batch_size: int) -> list[list[TraceRequest]]:
     """Arrival-order batches, as a static batcher with a full queue forms them."""
     ordered = sorted(trace, key=lambda r: r.arrival_s)

@@ -95,7 +95,9 @@ def test_shared_system_prompt_different_suffixes(demo_model_dir, hf_model):
     run.check_against_hf(hf_model)
 
 
-@pytest.mark.parametrize("prefix_len, expected", [(32, 32), (33, 32), (31, 24)], ids=["on-boundary", "one-past", "one-short"])
+@pytest.mark.parametrize(
+    "prefix_len, expected", [(32, 32), (33, 32), (31, 24)], ids=["on-boundary", "one-past", "one-short"]
+)
 def test_prefix_ending_on_and_around_a_block_boundary(demo_model_dir, hf_model, prefix_len, expected):
     run = Run(demo_model_dir)
     prefix = tokens(prefix_len, seed=4)
@@ -185,3 +187,15 @@ def test_caching_off_never_hits_and_gives_the_same_tokens(demo_model_dir):
         assert sum(run.cached.values()) == (120 if caching else 0)
         assert (run.engine.block_manager.num_cached_blocks > 0) == caching
     assert results[True] == results[False]
+
+
+def test_cli_flag_turns_caching_off_and_defaults_on():
+    import argparse
+
+    from inflight.launcher.cli import add_engine_args, engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_args(parser.parse_args(["--no-enable-prefix-caching"])) == {"enable_prefix_caching": False}
+    assert engine_args(parser.parse_args([])) == {}
+    assert EngineConfig().enable_prefix_caching is True

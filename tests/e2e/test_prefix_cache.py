@@ -3,6 +3,7 @@ the cache (num_cached_tokens > 0, the metrics count it) and streams the text it 
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -10,7 +11,7 @@ from e2e_util import ENGINE_ARGS, metric, settled
 
 from inflight import LLM, SamplingParams
 
-WORDS = "river cloud stone garden light quiet engine token block window music forest ocean morning story".split()
+WORDS = ["river", "cloud", "stone", "garden", "light", "quiet", "engine", "token", "block", "forest", "story"]
 
 
 def shared_prefix(tokenizer, num_tokens: int) -> str:
@@ -23,8 +24,6 @@ def shared_prefix(tokenizer, num_tokens: int) -> str:
 
 
 def stream_with_cached_count(client, prompt: str, params: dict) -> tuple[str, int]:
-    import json
-
     tensors = {
         "text_input": np.array([prompt.encode()], dtype=np.object_),
         "stream": np.array([True]),

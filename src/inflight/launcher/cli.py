@@ -22,6 +22,7 @@ _HELP = {
     "gpu_memory_utilization": "fraction of GPU memory for weights + KV cache",
     "max_model_len": "longest prompt + output (default: the checkpoint's)",
     "seed": "seed for requests that bring none",
+    "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: on)",
 }
 _CHOICES = {
     "dtype": ["auto", *DTYPES],
