@@ -146,8 +146,9 @@ class Scheduler:
         seq.num_registered_blocks = num_cached // self.block_manager.block_size
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = num_cached
-            self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += num_cached
+            if self.block_manager.enable_prefix_caching:
+                self.prefix_cache_queries += seq.num_tokens
+                self.prefix_cache_hits += num_cached
 
     def _start_running(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.RUNNING
