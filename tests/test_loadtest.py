@@ -10,10 +10,12 @@ import pytest
 
 from loadtest.metrics import StepRecord, occupancy, overhead_share, percentiles
 from loadtest.trace import (
+    SharedPrefixSpec,
     TraceRequest,
     TraceSpec,
     ideal_continuous_ratio,
     kv_blocks_needed,
+    make_shared_prefix_trace,
     make_trace,
 )
 
@@ -151,3 +153,31 @@ def test_quick_benchmark_run_measures_every_policy(demo_model_dir, tmp_path, mon
     for png in ("throughput.png", "occupancy.png", "kv_blocks.png", "latency_cdf.png"):
         data = (tmp_path / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+
+
+def test_shared_prefix_trace_shares_exactly_the_system_prompts():
+    spec = SharedPrefixSpec(num_requests=40, num_prefixes=4, prefix_len=50, suffix_len=(3, 9), output_len=(2, 5))
+    trace = make_shared_prefix_trace(spec, vocab_size=300)
+    assert trace == make_shared_prefix_trace(spec, vocab_size=300)
+    groups: dict[tuple, list] = {}
+    for i, r in enumerate(trace):
+        assert 53 <= r.prompt_len <= 59 and 2 <= r.output_len <= 5
+        groups.setdefault(r.prompt_token_ids[:50], []).append(i % 4)
+    assert len(groups) == 4 and all(len(set(g)) == 1 and len(g) == 10 for g in groups.values())
+    with pytest.raises(ValueError, match="num_prefixes"):
+        SharedPrefixSpec(num_requests=3, num_prefixes=4)
+
+
+def test_quick_prefix_cache_benchmark_hits_only_on_the_shared_trace(demo_model_dir, tmp_path, monkeypatch):
+    from loadtest import bench_prefix_cache
+
+    monkeypatch.setattr(bench_prefix_cache.torch, "set_num_threads", lambda n: None)
+    result = bench_prefix_cache.main(["--quick", "--model", demo_model_dir, "--out", str(tmp_path), "--no-progress"])
+    runs = result["runs"]
+    tokens = result["shared_trace"]["output_tokens"]
+    assert runs["shared caching on"]["output_tokens"] == runs["shared caching off"]["output_tokens"] == tokens
+    assert runs["shared caching off"]["prefix_cache_hit_rate"] is None  # off: no lookups at all
+    assert 0.3 < result["figures"]["shared_hit_rate"] < 1
+    assert result["figures"]["default_hit_rate"] == 0  # random prompts share nothing
+    assert runs["shared caching on"]["peak_kv_blocks_cached"] > 0
+    assert (tmp_path / "kv_blocks.png").read_bytes()[:4] == b"\x89PNG"
