@@ -32,7 +32,9 @@ PREFILL_BLOCK_M = 64
 TILE_N = 64
 
 
-@triton.jit
+# The block table's row stride changes with the batch's longest context: specializing on it (== 1,
+# divisible by 16) would recompile the kernel mid-serving when a step crosses those values.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _unified_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -155,13 +157,33 @@ def _unified_attention_kernel(
 
 
 @dataclass
+class QueryTiles:
+    """One kernel launch's programs: tiles of `block_q` query tokens."""
+
+    block_q: int  # query tokens per program
+    tile_seq: torch.Tensor  # [num_tiles] int32: the sequence of each tile
+    tile_q: torch.Tensor  # [num_tiles] int32: the tile's first query, relative to its sequence
+
+
+@dataclass
 class AttentionPlan:
     """Host-side decisions for one step, shared by every layer (no device sync to make them)."""
 
-    block_q: int  # query tokens per program
-    tile_seq: torch.Tensor  # [num_tiles] int32
-    tile_q: torch.Tensor  # [num_tiles] int32
+    launches: list[QueryTiles]  # one kernel launch each, over disjoint sequences
     num_splits: int
+
+
+def _tiles(q_lens: np.ndarray, seqs: np.ndarray, block_m: int, group_pad: int, device: torch.device) -> QueryTiles:
+    block_q = max(1, block_m // group_pad)
+    tiles_per_seq = -(-q_lens[seqs] // block_q)
+    tile_seq = np.repeat(seqs, tiles_per_seq)
+    first_tile = np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)
+    tile_q = (np.arange(len(tile_seq)) - first_tile) * block_q
+    return QueryTiles(
+        block_q=block_q,
+        tile_seq=torch.from_numpy(tile_seq.astype(np.int32)).to(device),
+        tile_q=torch.from_numpy(tile_q.astype(np.int32)).to(device),
+    )
 
 
 def plan_attention(
@@ -172,28 +194,27 @@ def plan_attention(
     device: torch.device,
     num_splits: int | None = None,
 ) -> AttentionPlan:
-    """Cut every sequence's queries into tiles and pick single pass or split-K (None = automatic)."""
+    """Cut every sequence's queries into tiles and pick single pass or split-K (None = automatic).
+
+    Single-token (decode) queries get decode-sized tiles and longer ones prefill-sized tiles, in
+    two launches when a step mixes both: a decode row in a 64-row prefill tile would compute 60
+    empty rows (GQA 4) against its whole context.
+    """
     q_lens = np.diff(query_start_loc_np).astype(np.int64)
     max_query_len = int(q_lens.max(initial=0))
     group_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
-    # One tile size per launch: in a mixed batch the decode rows also get prefill-sized tiles, mostly
-    # empty, which costs compute but no extra KV traffic (each of them still reads its context once).
-    block_m = DECODE_BLOCK_M if max_query_len <= 1 else PREFILL_BLOCK_M
-    block_q = max(1, block_m // group_pad)
-    tiles_per_seq = -(-q_lens // block_q)
-    tile_seq = np.repeat(np.arange(len(q_lens)), tiles_per_seq)
-    first_tile = np.repeat(np.cumsum(tiles_per_seq) - tiles_per_seq, tiles_per_seq)
-    tile_q = (np.arange(len(tile_seq)) - first_tile) * block_q
+    seqs = np.arange(len(q_lens))
+    decode, prefill = seqs[q_lens == 1], seqs[q_lens > 1]  # a sequence with no query gets no tile
+    launches = [
+        _tiles(q_lens, part, block_m, group_pad, device)
+        for part, block_m in ((decode, DECODE_BLOCK_M), (prefill, PREFILL_BLOCK_M))
+        if len(part)
+    ]
     if num_splits is None:
         num_splits = num_kv_splits(
             len(q_lens), num_kv_heads, int(seq_lens_np.max(initial=0)), max_query_len, device_sm_count(device)
         )
-    return AttentionPlan(
-        block_q=block_q,
-        tile_seq=torch.from_numpy(tile_seq.astype(np.int32)).to(device),
-        tile_q=torch.from_numpy(tile_q.astype(np.int32)).to(device),
-        num_splits=num_splits,
-    )
+    return AttentionPlan(launches=launches, num_splits=num_splits)
 
 
 def paged_attention(
@@ -215,8 +236,7 @@ def paged_attention(
     if block_tables.stride(-1) != 1:
         block_tables = block_tables.contiguous()
     out = torch.empty_like(query)
-    num_tiles = plan.tile_seq.numel()
-    if num_tokens == 0 or num_tiles == 0:
+    if num_tokens == 0 or not plan.launches:
         return out
     split = plan.num_splits > 1
     if split:
@@ -225,45 +245,46 @@ def paged_attention(
     else:
         dst, lse = out, out  # lse is never touched by the single-pass kernel
     group = num_q_heads // num_kv_heads
-    _unified_attention_kernel[(num_tiles, num_kv_heads, plan.num_splits)](
-        query,
-        k_cache,
-        v_cache,
-        dst,
-        lse,
-        plan.tile_seq,
-        plan.tile_q,
-        query_start_loc,
-        seq_lens,
-        block_tables,
-        scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        dst.stride(0) if split else 0,
-        dst.stride(-3),
-        dst.stride(-2),
-        lse.stride(0) if split else 0,
-        lse.stride(1) if split else 0,
-        block_tables.stride(0),
-        GROUP=group,
-        GROUP_PAD=triton.next_power_of_2(group),
-        BLOCK_Q=plan.block_q,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=k_cache.shape[1],
-        TILE_N=TILE_N,
-        SPLIT=split,
-        # fp32 caches are the CPU/reference dtype: keep full precision instead of TF32.
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        # fp32 K/V tiles are twice the bytes: two pipeline stages keep them within shared memory.
-        num_stages=2 if query.dtype == torch.float32 else 3,
-    )
+    for tiles in plan.launches:
+        _unified_attention_kernel[(tiles.tile_seq.numel(), num_kv_heads, plan.num_splits)](
+            query,
+            k_cache,
+            v_cache,
+            dst,
+            lse,
+            tiles.tile_seq,
+            tiles.tile_q,
+            query_start_loc,
+            seq_lens,
+            block_tables,
+            scale * LOG2E,
+            query.stride(0),
+            query.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            dst.stride(0) if split else 0,
+            dst.stride(-3),
+            dst.stride(-2),
+            lse.stride(0) if split else 0,
+            lse.stride(1) if split else 0,
+            block_tables.stride(0),
+            GROUP=group,
+            GROUP_PAD=triton.next_power_of_2(group),
+            BLOCK_Q=tiles.block_q,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_SIZE=k_cache.shape[1],
+            TILE_N=TILE_N,
+            SPLIT=split,
+            # fp32 caches are the CPU/reference dtype: keep full precision instead of TF32.
+            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            # fp32 K/V tiles are twice the bytes: two pipeline stages keep them within shared memory.
+            num_stages=2 if query.dtype == torch.float32 else 3,
+        )
     if split:
         merge_splits(dst, lse, out)
     return out

@@ -44,7 +44,8 @@ def device_sm_count(device: torch.device) -> int:
     return NOMINAL_SM_COUNT
 
 
-@triton.jit
+# num_splits varies per step (16 would be specialized as divisible by 16): one binary per SPLITS_PAD.
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_kernel(
     part_ptr,  # [S, T, H, D] float32, each slice normalized by its own sum
     lse_ptr,  # [S, T, H] float32, log2-sum-exp2 of each slice's scaled scores (-inf: slice saw no key)

@@ -135,12 +135,20 @@ def test_plan_picks_split_automatically_and_tiles_every_query():
     qsl = np.array([0, 37, 38, 38, 58], dtype=np.int32)  # includes a sequence with no query
     plan = plan_attention(qsl, np.array([37, 90, 12, 80], dtype=np.int32), 32, 8, torch.device("cpu"))
     assert plan.num_splits == 1
-    block_q = plan.block_q  # 64 rows / group of 4 -> 16 query tokens per program
-    assert block_q == 16
-    covered = {(s, q) for s, t in zip(plan.tile_seq.tolist(), plan.tile_q.tolist()) for q in range(t, t + block_q)}
+    # The decode token gets a decode tile (16 rows / group of 4), the prefills 64-row tiles.
+    decode, prefill = plan.launches
+    assert (decode.block_q, decode.tile_seq.tolist()) == (4, [1])
+    assert prefill.block_q == 16 and set(prefill.tile_seq.tolist()) == {0, 3}
+    covered = {
+        (s, q)
+        for tiles in plan.launches
+        for s, t in zip(tiles.tile_seq.tolist(), tiles.tile_q.tolist())
+        for q in range(t, t + tiles.block_q)
+    }
     for b, (lo, hi) in enumerate(zip(qsl[:-1], qsl[1:])):
         assert all((b, q) in covered for q in range(hi - lo))
-    assert 2 not in plan.tile_seq.tolist()
+    decode_only = plan_attention(np.array([0, 1, 2]), np.array([5, 9]), 32, 8, torch.device("cpu"))
+    assert [t.block_q for t in decode_only.launches] == [4]
 
 
 def test_merge_splits_matches_reference():
