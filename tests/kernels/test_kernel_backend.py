@@ -68,3 +68,30 @@ def test_norms_match_torch_backend():
     ref_normed, ref_residual = ref.fused_add_rms_norm(x, residual, weight, 1e-6)
     torch.testing.assert_close(normed, ref_normed)
     torch.testing.assert_close(new_residual, ref_residual)
+
+
+def test_torch_write_kv_never_reads_a_value_back_to_the_host():
+    """On CUDA a host read (`bool(t)`, `.item()`, a boolean-mask index) syncs every layer."""
+    from inflight_kernels.kv_write import write_kv_reference
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    gen = torch.Generator().manual_seed(0)
+    key, value = torch.randn(5, 2, 16, generator=gen), torch.randn(5, 2, 16, generator=gen)
+    k_cache, v_cache = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
+    slots = torch.tensor([3, 9, 31, 16, 0])
+    with Ops() as ops:
+        TorchBackend().write_kv(key, value, k_cache, v_cache, slots)
+    host_reads = [op for op in ops.seen if "_local_scalar_dense" in op or "nonzero" in op or "is_nonzero" in op]
+    assert not host_reads, ops.seen
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    write_kv_reference(key, value, k_ref, v_ref, slots)
+    assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

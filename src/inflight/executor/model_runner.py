@@ -82,6 +82,8 @@ class ModelRunner:
         token_rows = np.repeat(np.arange(len(seqs)), n)
         slots = tables[token_rows, positions // self.block_size].astype(np.int64) * self.block_size
         slots += positions % self.block_size
+        # The attention backends write every slot (no per-layer skip test, which would sync a GPU).
+        assert slots.min(initial=0) >= 0, "negative KV slot in the step's slot mapping"
 
         dev = self.device
         meta = AttentionMetadata(

@@ -31,13 +31,11 @@ class TorchBackend:
         value: torch.Tensor,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,  # [T]; negative = skip
+        slot_mapping: torch.Tensor,  # [T], every slot >= 0 (the runner asserts it on the host)
     ) -> None:
+        # No filtering of negative slots here: a mask test would sync host and device every layer on CUDA.
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
-        keep = slot_mapping >= 0
-        if not bool(keep.all()):
-            key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
         flat_k.index_copy_(0, slot_mapping, key.to(flat_k.dtype))
         flat_v.index_copy_(0, slot_mapping, value.to(flat_v.dtype))
 
