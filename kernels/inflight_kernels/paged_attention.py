@@ -245,7 +245,13 @@ def paged_attention(
     else:
         dst, lse = out, out  # lse is never touched by the single-pass kernel
     group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    fp32 = query.dtype == torch.float32
     for tiles in plan.launches:
+        # With 4 warps a 64-row prefill tile spills registers at head_dim 128 or in fp32 (ptxas for
+        # sm_80/sm_90, `loadtest.kernel_resources`); 8 warps hold it. Decode tiles never spill.
+        wide = tiles.block_q * group_pad >= PREFILL_BLOCK_M and (head_dim_pad >= 128 or fp32)
         _unified_attention_kernel[(tiles.tile_seq.numel(), num_kv_heads, plan.num_splits)](
             query,
             k_cache,
@@ -273,17 +279,18 @@ def paged_attention(
             lse.stride(1) if split else 0,
             block_tables.stride(0),
             GROUP=group,
-            GROUP_PAD=triton.next_power_of_2(group),
+            GROUP_PAD=group_pad,
             BLOCK_Q=tiles.block_q,
             HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+            HEAD_DIM_PAD=head_dim_pad,
             BLOCK_SIZE=k_cache.shape[1],
             TILE_N=TILE_N,
             SPLIT=split,
             # fp32 caches are the CPU/reference dtype: keep full precision instead of TF32.
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            DOT_PRECISION="ieee" if fp32 else "tf32",
             # fp32 K/V tiles are twice the bytes: two pipeline stages keep them within shared memory.
-            num_stages=2 if query.dtype == torch.float32 else 3,
+            num_stages=2 if fp32 else 3,
+            num_warps=8 if wide else 4,
         )
     if split:
         merge_splits(dst, lse, out)
