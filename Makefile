@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test serve lint bench bench-serving loadtest
+.PHONY: install test serve lint bench bench-serving loadtest kernel-resources
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -34,3 +34,7 @@ bench-serving: install
 ## Bounded headless Locust run against a tritonserver it starts (CSV + HTML reports).
 loadtest: install
 	$(PY) -m loadtest.run_locust $(LOCUST_ARGS)
+
+## Compile every kernel specialization the engine launches for sm_80/sm_90 (no GPU): regs, spills, shared memory.
+kernel-resources: install
+	$(PY) -m loadtest.kernel_resources $(KERNEL_ARGS)

@@ -311,7 +311,8 @@ def capture_all(work_dir: str | Path, demo_dir: str | Path | None = None) -> tup
     logs: dict[str, LaunchLog] = {}
     for model, dtype in CAPTURE_RUNS:
         short = {"float32": "fp32", "float16": "fp16"}[dtype]
-        log = logs[f"{model}/{short}"] = capture_engine_launches(geometry_checkpoint(model, demo, work / f"1layer-{model}"), dtype)
+        model_dir = geometry_checkpoint(model, demo, work / f"1layer-{model}")
+        log = logs[f"{model}/{short}"] = capture_engine_launches(model_dir, dtype)
         runs = [unique_specs(with_merge_widths(log.launches), f"{model}/{short}")]
         if short == "fp16":
             runs.append([as_dtype(s, "fp16", "bf16") for s in runs[0]])

@@ -136,17 +136,30 @@ def run_in_subprocess(args: list[str], interpret: bool) -> subprocess.CompletedP
 
 
 def format_table(rows: list[Compiled]) -> str:
-    lines = [
-        "| kernel | constexprs | dtypes | warps/stages | sm | regs | stack (spill) B | shared B | ok |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    """One line per specialization (both targets side by side); runs with equal figures share a line."""
+    lines: dict[tuple, list[str]] = {}
+    by_spec: dict[tuple, dict[int, Compiled]] = {}
     for r in rows:
-        ce = " ".join(f"{k}={v}" for k, v in r.constexprs.items())
-        lines.append(
-            f"| {r.kernel} | {ce} | {r.dtypes} | {r.num_warps}/{r.num_stages} | {r.arch} | {r.registers} "
-            f"| {r.stack_bytes} | {r.shared_bytes} | {'yes' if r.ok else 'NO: ' + r.error.splitlines()[0]} |"
+        spec = (r.kernel, json.dumps(r.constexprs), r.num_warps, r.num_stages, ",".join(r.tags))
+        by_spec.setdefault(spec, {})[r.arch] = r
+    for (kernel, ce, warps, stages, tags), per_arch in by_spec.items():
+        figures = tuple(
+            f"{c.registers} / {c.stack_bytes} / {c.shared_bytes}" if c.ok else "FAILED: " + c.error.splitlines()[0]
+            for c in (per_arch[a] for a in TARGETS)
         )
-    return "\n".join(lines)
+        lines.setdefault((kernel, ce, warps, stages, figures), []).extend(tags.split(","))
+    out = [
+        "| kernel | constexprs | warps/stages | runs | "
+        + " | ".join(f"sm_{a}: regs / spill B / shared B" for a in TARGETS)
+        + " |",
+        "|---|---|---|---|" + "---|" * len(TARGETS),
+    ]
+    for (kernel, ce, warps, stages, figures), tags in lines.items():
+        constexprs = " ".join(f"{k}={v}" for k, v in json.loads(ce).items())
+        out.append(
+            f"| {kernel} | {constexprs} | {warps}/{stages} | {' '.join(sorted(set(tags)))} | {' | '.join(figures)} |"
+        )
+    return "\n".join(out)
 
 
 def main() -> None:
