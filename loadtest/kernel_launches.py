@@ -74,9 +74,6 @@ class Launch:
         """Launches with the same key compile to the same binary."""
         return json.dumps([self.kernel, self.params, self.num_warps, self.num_stages])
 
-    def arg(self, name: str) -> Any:
-        return next(p[2] for p in self.params if p[0] == name)
-
 
 @dataclass
 class LaunchLog:

@@ -28,6 +28,27 @@ def constexprs(spec) -> dict:
     return {name: value for name, kind, value in spec.params if kind == "constexpr"}
 
 
+def test_recorder_covers_every_launched_kernel():
+    """A kernel added to `inflight_kernels` must be added to the recorder (and so to the compile check)."""
+    import importlib
+    import pkgutil
+
+    import inflight_kernels
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from loadtest.kernel_launches import KERNELS as RECORDED
+
+    found = set()
+    for info in pkgutil.iter_modules(inflight_kernels.__path__):
+        module = importlib.import_module(f"inflight_kernels.{info.name}")
+        found |= {
+            f"{module.__name__}:{name}"
+            for name, obj in vars(module).items()
+            if isinstance(obj, InterpretedFunction) and name.endswith("_kernel")
+        }
+    assert found == {f"{m}:{k}" for m, names in RECORDED.items() for k in names}
+
+
 def test_capture_sees_every_kernel_path(captured):
     specs, _ = captured
     assert {s.kernel.split(":")[1] for s in specs} == KERNELS
