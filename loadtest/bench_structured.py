@@ -33,12 +33,12 @@ PROMPTS = ["Hello world", "The model runs", "A quiet river flows", "Tell me a st
 
 
 def schema(variant: int = 0) -> dict:
-    """A typical extraction schema: nested object, array, enum, bounded integers, required fields."""
+    """A typical extraction schema: nested object, array, enum, bounded integers, required fields.
+    Variants differ in a property name, so each compiles from scratch (no cache below ours hits)."""
     return {
-        "title": f"User{variant}",
         "type": "object",
         "properties": {
-            "name": {"type": "string", "maxLength": 12},
+            f"name{variant}": {"type": "string", "maxLength": 12},
             "age": {"type": "integer", "minimum": 0, "maximum": 120},
             "email": {"type": "string", "maxLength": 24},
             "role": {"enum": ["admin", "user", "guest"]},
@@ -54,7 +54,7 @@ def schema(variant: int = 0) -> dict:
             },
             "active": {"type": "boolean"},
         },
-        "required": ["name", "age", "role", "address"],
+        "required": [f"name{variant}", "age", "role", "address"],
     }
 
 
