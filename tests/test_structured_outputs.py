@@ -346,3 +346,42 @@ def test_json_object_gives_an_object(demo_model_dir):
     assert all(isinstance(json.loads(v["text"]), dict) for v in r.values() if v["finish_reason"] == "stop")
     unconstrained = _run(engine, {"u": ("Hello", SamplingParams(temperature=1, seed=0, max_tokens=24))})
     assert not unconstrained["u"]["text"].startswith('{"')
+
+
+def test_json_rows_never_allow_raw_control_characters(demo_model_dir):
+    """xgrammar 0.2.8 lets a maxLength string take raw control bytes (mlc-ai/xgrammar#800), which strict
+    JSON parsers reject: the engine masks them for JSON constraints, and only for those."""
+    import xgrammar as xgr
+
+    from inflight.engine.sequence import Sequence
+
+    engine = _engine(demo_model_dir)
+    manager = engine.structured_outputs
+    bounded = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 9}}, "required": ["s"]}
+    cases = [
+        ({"json": bounded}, '{"s": "'),
+        ({"json": bounded, "disable_any_whitespace": True}, '{"s": "'),
+        ({"regex": "[\x01-z]+"}, ""),
+    ]
+    seqs = []
+    for i, (so, prefix) in enumerate(cases):
+        seq = Sequence(f"r{i}", [1, 5], SamplingParams(structured_outputs=so), seed=0, arrival_time=0.0)
+        manager.add(seq)
+        seq.structured.future.result(timeout=60)
+        assert seq.structured.get_matcher().accept_string(prefix) or not prefix  # inside the string
+        seqs.append(seq)
+    bitmask, _rows = manager.grammar_bitmask(seqs)
+    vocab = manager.vocab_size
+
+    def unpack(words: torch.Tensor) -> torch.Tensor:
+        return ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten(1)[:, :vocab].bool()
+
+    bits = unpack(bitmask)
+    raw = xgr.allocate_token_bitmask(1, vocab)
+    seqs[0].structured.get_matcher().fill_next_token_bitmask(raw, 0)
+    raw_bits = unpack(raw)[0]
+    bell, tab = engine.tokenizer.token_to_id("ć"), engine.tokenizer.token_to_id("ĉ")  # byte-level \x07, \t
+    assert raw_bits[bell], "the grammar itself allows a raw BEL inside the bounded string"
+    assert not bits[0, bell] and not bits[1, bell]  # masked for JSON
+    assert bits[0, tab] and not bits[1, tab]  # tab is whitespace only when free whitespace is on
+    assert bits[2, bell]  # a regex that asks for control characters gets them

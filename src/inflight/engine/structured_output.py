@@ -55,6 +55,11 @@ class StructuredRequest:
     def is_ready(self) -> bool:
         return self.matcher is not None or (self.future.done() and self.future.exception() is None)
 
+    @property
+    def allowed_words(self) -> torch.Tensor | None:
+        """A bitmask row ANDed into the grammar's at every step (see `_json_allowed_words`), or None."""
+        return self.future.result().allowed_words
+
     def error(self) -> str | None:
         """Why this request cannot run, once that is known; None while compiling or when ready."""
         if self.future.done():
@@ -69,8 +74,14 @@ class StructuredRequest:
         if self.matcher is None:
             import xgrammar as xgr
 
-            self.matcher = xgr.GrammarMatcher(self.future.result())
+            self.matcher = xgr.GrammarMatcher(self.future.result().grammar)
         return self.matcher
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    grammar: xgrammar.CompiledGrammar
+    allowed_words: torch.Tensor | None
 
 
 class StructuredOutputManager:
@@ -83,6 +94,7 @@ class StructuredOutputManager:
         self._max_workers = max_workers
         self._pool: cf.ThreadPoolExecutor | None = None
         self._compiler: xgrammar.GrammarCompiler | None = None
+        self._json_allowed: dict[bool, torch.Tensor] = {}
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._pending: list[Sequence] = []  # sequences whose grammar is not compiled yet
@@ -108,11 +120,20 @@ class StructuredOutputManager:
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
-                self._compiler = _make_compiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                compiler, info = _make_compiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                self._json_allowed = _json_allowed_words(info.decoded_vocab, self.vocab_size)
+                self._compiler = compiler
             return self._compiler
 
     def _compile(self, params: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
+        kind = params.kind
+        if kind in ("json", "json_object"):
+            return _Compiled(self._compile_grammar(compiler, params), self._json_allowed[params.disable_any_whitespace])
+        return _Compiled(self._compile_grammar(compiler, params), None)
+
+    @staticmethod
+    def _compile_grammar(compiler: xgrammar.GrammarCompiler, params: StructuredOutputsParams) -> Any:
         kind = params.kind
         try:
             if kind in ("json", "json_object"):
@@ -183,6 +204,13 @@ class StructuredOutputManager:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher()
             self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        groups: dict[int, tuple[torch.Tensor, list[int]]] = {}  # at most two distinct rows (JSON masks)
+        for i in rows:
+            allowed = seqs[i].structured.allowed_words
+            if allowed is not None:
+                groups.setdefault(id(allowed), (allowed, []))[1].append(i)
+        for allowed, idx in groups.values():
+            bitmask[idx] &= allowed
         return bitmask, torch.tensor(rows, dtype=torch.int64)
 
     @staticmethod
@@ -206,7 +234,9 @@ def _strip_location(reason: str) -> str:
     return reason
 
 
-def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> xgrammar.GrammarCompiler:
+def _make_compiler(
+    tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]
+) -> tuple[xgrammar.GrammarCompiler, xgrammar.TokenizerInfo]:
     import os
 
     import xgrammar as xgr
@@ -231,4 +261,33 @@ def _make_compiler(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[i
         stop_token_ids=stop_token_ids,
         add_prefix_space=detected.add_prefix_space,
     )
-    return xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)))
+    return xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1))), info
+
+
+def _json_allowed_words(decoded_vocab: list[bytes], vocab_size: int) -> dict[bool, torch.Tensor]:
+    """Bitmask rows of the tokens JSON output may use, keyed by disable_any_whitespace.
+
+    xgrammar 0.2.8 lowers a string with minLength/maxLength to a class that excludes only quote,
+    backslash, CR and LF, so it admits raw control characters that RFC 8259 forbids in strings
+    (mlc-ai/xgrammar#800, fix pending in #880):
+    a random-weight model emits them and `json.loads` rejects the output. JSON never needs a raw byte
+    below 0x20 other than whitespace between tokens, so tokens holding one are masked for JSON
+    constraints; with disable_any_whitespace there is no free whitespace, so tab/newline/CR go too.
+    """
+    ws = {9, 10, 13}
+    forbid = {False: [], True: []}
+    for i, text in enumerate(decoded_vocab[:vocab_size]):
+        controls = {b for b in text if b < 0x20}
+        if controls:
+            forbid[True].append(i)
+            if controls - ws:
+                forbid[False].append(i)
+    words = -(-vocab_size // 32)
+    out = {}
+    for compact, ids in forbid.items():
+        bits = torch.ones(words * 32, dtype=torch.bool)
+        bits[ids] = False
+        # Pack 32 bits per int32 word, bit j of word w = token 32 * w + j (xgrammar's layout).
+        packed = (bits.view(words, 32).to(torch.int64) << torch.arange(32)).sum(1)
+        out[compact] = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    return out
