@@ -139,5 +139,5 @@ def test_shape_mismatch_and_missing_tensor_are_named(tmp_path, demo_model_dir):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_dtypes_load_and_run(demo_model_dir, dtype):
     model, cfg = load_model(demo_model_dir, dtype, "cpu")
-    assert model.lm_head.weight.dtype == dtype
+    assert model.model.embed_tokens.weight.dtype == dtype and model.model.norm.weight.dtype == dtype
     assert torch.isfinite(engine_logits(demo_model_dir, [1, 2, 3])).all()

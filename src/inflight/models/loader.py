@@ -12,6 +12,7 @@ from tokenizers import Tokenizer
 from inflight.config import ConfigError
 from inflight.models.config import ModelConfig
 from inflight.models.llama import LlamaForCausalLM
+from inflight.models.packed_linear import pack_linears
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -75,5 +76,6 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fuse_projections()
+    pack_linears(model)  # CPU bf16 only; a no-op elsewhere
     model.eval().requires_grad_(False)
     return model, cfg

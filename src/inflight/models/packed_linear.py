@@ -1,0 +1,56 @@
+"""bf16 `Linear` layers on CPU with the weight pre-blocked once for oneDNN (what inductor's freezing does).
+
+`F.linear` in bf16 re-lays-out the weight for oneDNN on every call: ~100 us per call with one input
+row, which made bf16 no faster than fp32 at batch 1. Packing once at load removes that; the results
+are bit-identical to `F.linear` (checked at pack time). Measured on the 50M model's shapes: 1.75x
+faster with 1-4 rows, 1.3x with 32, 1.1x with 256.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class PackedLinear(nn.Module):
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+        # An opaque oneDNN tensor: kept as a plain attribute, not a parameter (state_dict cannot hold it).
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every CPU bf16 `nn.Linear` of `model` for a `PackedLinear`; returns how many (0 if unsupported)."""
+    linears = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
+    ]
+    if not linears or not _supported(linears[0][2]):
+        return 0
+    for parent, name, child in linears:
+        setattr(parent, name, PackedLinear(child))
+    return len(linears)
+
+
+def _supported(sample: nn.Linear) -> bool:
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return False
+        x = torch.randn(3, sample.in_features, generator=torch.Generator().manual_seed(0)).to(sample.weight.dtype)
+        with torch.inference_mode():
+            return torch.equal(PackedLinear(sample)(x), sample(x))
+    except (RuntimeError, AttributeError) as exc:  # a torch build without oneDNN / the private op
+        logger.info("bf16 weight packing unavailable (%s); using nn.Linear", exc)
+        return False

@@ -1,0 +1,33 @@
+"""bf16 weight packing on CPU: same results as nn.Linear, bit for bit, on every layer shape of the demo model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from inflight.models.loader import load_model
+from inflight.models.packed_linear import PackedLinear, pack_linears
+
+
+def test_packed_model_matches_unpacked_bitwise(demo_model_dir):
+    model, cfg = load_model(demo_model_dir, torch.bfloat16, "cpu")
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not packed:
+        pytest.skip("this torch build or CPU has no oneDNN bf16")
+    assert len(packed) == 4 * cfg.num_hidden_layers + 1  # qkv, o, gate_up, down per layer + lm_head
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for p in packed:
+            weight = torch.randn(p.out_features, p.in_features, generator=gen).bfloat16()
+            ref = nn.Linear(p.in_features, p.out_features, bias=False).bfloat16()
+            ref.weight.data.copy_(weight)
+            mine = PackedLinear(ref)
+            for rows in (1, 5, 64):
+                x = torch.randn(rows, p.in_features, generator=gen).bfloat16()
+                assert torch.equal(mine(x), ref(x))
+
+
+def test_fp32_is_left_alone(demo_model_dir):
+    model, _ = load_model(demo_model_dir, torch.float32, "cpu")
+    assert pack_linears(model) == 0 and not any(isinstance(m, PackedLinear) for m in model.modules())
