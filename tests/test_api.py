@@ -194,3 +194,50 @@ def test_utf8_streaming_never_emits_broken_characters(llm):
         full = engine.tokenizer.decode(tokens[rid], skip_special_tokens=True)
         assert "".join(parts) == full
         assert sum(p.count("\ufffd") for p in parts[:-1]) <= full.count("\ufffd")
+
+
+def test_generate_interrupted_aborts_what_it_added(demo_model_dir):
+    from inflight import LLM
+
+    llm = LLM(demo_model_dir, max_num_seqs=4, num_kv_blocks=64, max_model_len=256)
+    real_step = llm.engine.step
+    calls = {"n": 0}
+
+    def interrupted_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    llm.engine.step = interrupted_step
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["Hello world", "The model"], params)
+    llm.engine.step = real_step
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.block_manager.num_used_blocks == 0
+    (out,) = llm.generate(["Why"], SamplingParams(temperature=0, max_tokens=5))
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+
+
+def test_add_request_failing_after_registration_unregisters(demo_model_dir):
+    from inflight import LLM
+
+    llm = LLM(demo_model_dir, max_num_seqs=4, num_kv_blocks=64, max_model_len=256)
+    engine = llm.engine
+    real_add = engine.scheduler.add
+
+    def failing_add(seq):
+        raise RuntimeError("scheduler refused")
+
+    engine.scheduler.add = failing_add
+    with pytest.raises(RuntimeError, match="scheduler refused"):
+        engine.add_request("r1", "Hello world", SamplingParams(max_tokens=4))
+    engine.scheduler.add = real_add
+    assert not engine.has_unfinished_requests()
+    engine.add_request("r1", "Hello world", SamplingParams(temperature=0, max_tokens=4))  # the id is free again
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].request_id == "r1"
+    assert engine.counters["prompt_tokens"] == len(outs[-1].prompt_token_ids)

@@ -42,34 +42,39 @@ class LLM:
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; give one or one each"
                 )
         engine = self.engine
-        ids = []
+        ids: list[str] = []
+        results: dict[str, _Accumulator] = {}
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
                 engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
                 ids.append(rid)
-        except Exception:
-            for rid in ids:
-                engine.abort_request(rid)
-            while engine.has_unfinished_requests():
-                engine.step()
+            results = {rid: _Accumulator(rid) for rid in ids}
+            show = len(ids) >= 8 if use_tqdm is None else use_tqdm
+            errors: list[str] = []
+            with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        if out.error is not None:  # e.g. a grammar that cannot compile: the caller's input
+                            errors.append(out.error)
+                        acc = results[out.request_id]
+                        acc.add(out)
+                        if out.finished:
+                            bar.update(1)
+        except BaseException:  # also KeyboardInterrupt: the next call must not see this call's requests
+            self._abort(ids)
             raise
-        results = {rid: _Accumulator(rid) for rid in ids}
-        show = len(ids) >= 8 if use_tqdm is None else use_tqdm
-        errors: list[str] = []
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.error is not None:  # e.g. a grammar that cannot compile: the caller's input
-                        errors.append(out.error)
-                    acc = results[out.request_id]
-                    acc.add(out)
-                    if out.finished:
-                        bar.update(1)
         if errors:
             raise InvalidRequestError(errors[0])
         return [results[rid].result() for rid in ids]
+
+    def _abort(self, ids: list[str]) -> None:
+        engine = self.engine
+        for rid in ids:
+            engine.abort_request(rid)
+        while engine.has_unfinished_requests():
+            engine.step()  # drains the abort echoes (and nothing else: generate owns the engine)
 
 
 class _Accumulator:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 
@@ -119,3 +120,81 @@ def test_stop_fails_in_flight_and_later_requests_promptly(engine):
     assert rec.done.is_set() and rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
     late = submit(loop)
     assert late.done.is_set() and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
+
+
+class FailingFinalSend(Recorder):
+    """A client whose final response cannot be sent (the sender raised)."""
+
+    def on_output(self, output) -> None:
+        if output.finished:
+            raise RuntimeError("send failed")
+        super().on_output(output)
+
+
+def test_a_failed_final_send_still_answers_the_request(loop, engine):
+    rec = FailingFinalSend()
+    loop.submit(Submission("final-fails", "Hello world", SamplingParams(temperature=0, max_tokens=4), rec))
+    assert rec.done.wait(30), "the request was left hanging"
+    assert rec.error is not None and rec.error[0] is ErrorKind.INTERNAL and "send failed" in rec.error[1]
+    assert engine.block_manager.num_used_blocks == 0
+
+
+class _PutAfterTheLoopEnded(queue.Queue):
+    """An inbox whose put() is delayed until the engine thread has ended: submit() checked 'not stopping',
+    then lost the CPU while stop() ran to completion (the check-then-put race, made deterministic)."""
+
+    def __init__(self, loop_thread: threading.Thread) -> None:
+        super().__init__()
+        self.loop_thread = loop_thread
+        self.delay = False
+
+    def put(self, item, block=True, timeout=None):
+        if self.delay and isinstance(item, Submission):
+            self.loop_thread.join(10)
+        super().put(item, block, timeout)
+
+
+def test_submit_racing_stop_is_still_answered(engine):
+    loop = EngineLoop(engine)
+    inbox = _PutAfterTheLoopEnded(loop._thread)
+    loop._inbox = inbox
+    loop.start()
+    inbox.delay = True
+    rec = Recorder()
+    submitter = threading.Thread(
+        target=loop.submit, args=(Submission("racer", "Hi", SamplingParams(max_tokens=2), rec),)
+    )
+    submitter.start()  # passes the 'stopping?' check, then waits in put() for the loop to end
+    time.sleep(0.2)
+    assert loop.stop(timeout_s=10)
+    submitter.join(20)
+    assert rec.done.wait(5), "a request submitted while the loop stopped was never answered"
+    assert rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
+
+
+def test_a_broken_engine_is_reported_once(demo_model_dir):
+    class Unrecoverable(FlakyEngine):
+        def step(self):
+            raise RuntimeError("device lost")
+
+    engine = Unrecoverable(demo_model_dir, EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256))
+    reasons = []
+    loop = EngineLoop(engine, on_broken=reasons.append).start()
+    try:
+        rec = submit(loop)
+        assert rec.done.wait(30) and rec.error is not None and rec.error[0] is ErrorKind.INTERNAL
+        assert _wait(lambda: reasons), "on_broken was never called"
+        late = submit(loop)
+        assert late.done.wait(10) and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
+        assert len(reasons) == 1 and "device lost" in reasons[0]
+    finally:
+        loop.stop(timeout_s=10)
+
+
+def _wait(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

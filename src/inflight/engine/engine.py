@@ -14,7 +14,7 @@ import torch
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.kv_cache import BlockManager
 from inflight.engine.scheduler import Scheduler
-from inflight.engine.sequence import FinishReason, Sequence
+from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inflight.engine.stats import EngineSnapshot, StepStats
 from inflight.engine.structured_output import StructuredOutputManager
 from inflight.executor.model_runner import ModelRunner
@@ -106,12 +106,18 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
         )
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
         self._seqs[request_id] = seq
+        self._detoks[request_id] = detok
+        try:
+            if params.structured_outputs is not None:
+                self.structured_outputs.add(seq)  # compiles in the background; admitted once ready
+            self.scheduler.add(seq)
+        except BaseException:  # half-registered would be a request nobody finishes
+            del self._seqs[request_id], self._detoks[request_id]
+            seq.status = SequenceStatus.FINISHED  # a pending grammar compile then forgets it
+            raise
         self.counters["prompt_tokens"] += len(token_ids)
-        self._detoks[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
-        if params.structured_outputs is not None:
-            self.structured_outputs.add(seq)  # compiles in the background; admitted once ready
-        self.scheduler.add(seq)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

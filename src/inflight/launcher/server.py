@@ -133,6 +133,10 @@ class TritonServer:
             f"--grpc-port={self.grpc_port}",
             f"--metrics-port={self.metrics_port}",
             "--allow-metrics=true",
+            # Explicit control (loading every model at start) lets a model whose engine broke unload itself,
+            # which is how it reports not ready (serving/triton_model.py).
+            "--model-control-mode=explicit",
+            "--load-model=*",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             *self.extra_args,

@@ -65,14 +65,18 @@ class EngineLoop:
         engine: LLMEngine,
         on_iteration: Callable[[EngineSnapshot], None] | None = None,
         step_log: str | Path | None = None,
+        on_broken: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_broken(reason)` is called once, from the engine thread, when the engine cannot recover."""
         self.engine = engine
         self._on_iteration = on_iteration
+        self._on_broken = on_broken
         self._step_log = open(step_log, "a", buffering=1) if step_log else None  # noqa: SIM115 - lives with the loop
         self._inbox: queue.Queue = queue.Queue()
         self._active: dict[str, Client] = {}
         self._broken: str | None = None
         self._stopping = threading.Event()
+        self._closed = threading.Event()  # set before the thread's last drain of the inbox
         self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
 
     def start(self) -> EngineLoop:
@@ -86,6 +90,8 @@ class EngineLoop:
             _safe(submission.client.on_error, ErrorKind.UNAVAILABLE, reason)
             return
         self._inbox.put(submission)
+        if self._closed.is_set():  # the thread ended between our check and our put: nobody else will drain
+            self._drain_inbox()
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Fail what is in flight, end the thread; True if it ended within the timeout."""
@@ -107,11 +113,12 @@ class EngineLoop:
         except BaseException:  # a bug in the loop itself: nobody may be left waiting
             log.error("engine loop crashed:\n%s", traceback.format_exc())
             self._fail_all(ErrorKind.INTERNAL, "the engine loop crashed; see the server log")
-            self._broken = "the engine loop crashed"
+            self._set_broken("the engine loop crashed")
             raise
         finally:
             self._stopping.set()  # from here on submit() answers at once instead of queueing
             self._fail_all(ErrorKind.UNAVAILABLE, "the model is shutting down")
+            self._closed.set()  # a submit() that put after this drains the inbox itself
             self._drain_inbox()
             if self._step_log is not None:
                 self._step_log.close()
@@ -175,11 +182,12 @@ class EngineLoop:
             try:
                 client.on_output(out)
             except Exception as e:
+                # Final or not, the request must still end: answer it with an error (its last chance).
                 log.error("sending a response failed:\n%s", traceback.format_exc())
                 if not out.finished:
                     self.engine.abort_request(out.request_id)
                     del self._active[out.request_id]
-                    _safe(client.on_error, ErrorKind.INTERNAL, f"sending a response failed: {e!r}")
+                _safe(client.on_error, ErrorKind.INTERNAL, f"sending a response failed: {e!r}")
 
     def _recover(self, error: Exception) -> None:
         """A step failed: fail every in-flight request, then try to bring the engine back to empty."""
@@ -196,7 +204,14 @@ class EngineLoop:
             raise RuntimeError("requests still unfinished after aborting all of them")
         except Exception as e:
             log.error("engine could not recover; refusing new requests:\n%s", traceback.format_exc())
-            self._broken = f"it failed and could not recover ({e!r})"
+            self._set_broken(f"it failed and could not recover ({e!r}; first failure: {error!r})")
+
+    def _set_broken(self, reason: str) -> None:
+        if self._broken is not None:
+            return
+        self._broken = reason
+        if self._on_broken is not None:
+            _safe(self._on_broken, reason)
 
     def _fail_all(self, kind: ErrorKind, message: str) -> None:
         active, self._active = self._active, {}

@@ -12,6 +12,7 @@ import itertools
 import json
 import logging
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -139,10 +140,10 @@ class ResponseWriter:
         response = encode_response(delta, self.req.returns, self._decode_token)
         self._text, self._num_tokens, self._logprobs = [], 0, []
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
-        if final:
+        self.sender.send(response, flags=flags)
+        if final:  # only once it went out: if send raised, on_error still owes the client a final response
             self.done = True
             self.request = None
-        self.sender.send(response, flags=flags)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
@@ -174,7 +175,8 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = _make_metrics(labels)
         on_iteration = self.metrics.update if self.metrics is not None else None
-        self.loop = EngineLoop(self.engine, on_iteration, settings.step_log).start()
+        self.model_name = args["model_name"]
+        self.loop = EngineLoop(self.engine, on_iteration, settings.step_log, on_broken=self._on_broken).start()
         self._ids = itertools.count()
         log.info(
             "engine ready: max_model_len=%d, %d KV blocks of %d tokens",
@@ -199,6 +201,21 @@ class TritonPythonModel:
             request_id = f"{next(self._ids)}-{request.request_id()}"
             self.loop.submit(Submission(request_id, decoded.prompt, decoded.params, writer, decoded.priority, arrival))
         return None
+
+    def _on_broken(self, reason: str) -> None:
+        """The engine cannot serve again: unload the model so that Triton reports it not ready (a load
+        balancer then routes elsewhere). 2.51's Python backend has no other way for a model to change its
+        readiness; unloading needs --model-control-mode=explicit, which the launcher sets. From its own
+        thread: unload calls finalize(), which joins the engine thread that calls us."""
+
+        def unload() -> None:
+            try:
+                pb_utils.unload_model(self.model_name)
+            except Exception as e:  # e.g. the server runs with --model-control-mode=none
+                log.error("could not unload the broken model %r (it stays READY): %s", self.model_name, e)
+
+        log.error("the engine is broken (%s); unloading %r so that it reports not ready", reason, self.model_name)
+        threading.Thread(target=unload, name="inflight-unload", daemon=True).start()
 
     @staticmethod
     def _reject(request, kind: ErrorKind, message: str) -> None:

@@ -1,0 +1,77 @@
+"""An engine that fails and cannot recover makes the model report not ready (own server: it ends broken)."""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+import urllib.error
+import urllib.request
+
+import pytest
+from e2e_util import ENGINE_ARGS, wait_for
+from inflight_client import InferenceError, LLMClient
+
+from inflight.launcher.server import LauncherError, TritonServer, default_model_repository
+
+# The real model with one fault: once a request asks for max_tokens=13, every engine step raises (the
+# device is "lost"), so the loop's recovery fails too.
+BREAKABLE_MODEL = textwrap.dedent(
+    """
+    from inflight.serving.triton_model import TritonPythonModel as _Real
+
+
+    class TritonPythonModel(_Real):
+        def initialize(self, args):
+            super().initialize(args)
+            engine, real_step = self.engine, self.engine.step
+            broken = []
+
+            def step():
+                if broken or any(s.sampling_params.max_tokens == 13 for s in engine._seqs.values()):
+                    broken.append(True)
+                    raise RuntimeError("device lost")
+                return real_step()
+
+            engine.step = step
+    """
+)
+
+
+def _ready(server) -> int:
+    try:
+        with urllib.request.urlopen(f"{server.http_url}/v2/models/llm/ready", timeout=5) as reply:
+            return reply.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+@pytest.fixture()
+def breakable_server(demo_model_dir, tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(default_model_repository(), repo, ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "llm" / "1" / "model.py").write_text(BREAKABLE_MODEL)
+    srv = TritonServer(
+        repo,
+        dict(ENGINE_ARGS, model=demo_model_dir),
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        log=tmp_path / "server.log",
+    )
+    srv.start()
+    try:
+        srv.wait_ready(timeout_s=240)
+        yield srv
+    except LauncherError:
+        raise
+    finally:
+        srv.stop()
+
+
+def test_unrecoverable_engine_makes_the_model_not_ready(breakable_server):
+    client = LLMClient(breakable_server.grpc_url, timeout_s=60)
+    assert client.generate("Hello world", {"temperature": 0, "max_tokens": 4}).text
+    assert _ready(breakable_server) == 200
+    with pytest.raises(InferenceError, match="device lost"):
+        client.generate("Hello world", {"max_tokens": 13})
+    assert wait_for(lambda: _ready(breakable_server) != 200, timeout_s=30), "the broken model still reports ready"
