@@ -36,7 +36,10 @@ def no_leaked_blocks(request):
         (dict(min_p=2.0), r"min_p=2.0 is invalid: must be in \[0, 1\]"),
         (dict(top_k=-3), r"top_k=-3 is invalid"),
         (dict(min_tokens=9, max_tokens=4), r"min_tokens=9 is invalid: must be in \[0, max_tokens=4\]"),
-        (dict(logprobs=99), r"logprobs=99 is invalid: must be in \[0, 20\]"),
+        (dict(logprobs=-1), r"logprobs=-1 is invalid: must be >= 0"),
+        (dict(n=2), r"n=2 is invalid: must be 1"),
+        (dict(best_of=3), r"best_of=3 is invalid"),
+        (dict(seed=2**64), r"seed=18446744073709551616 is invalid: must be in \[0, 2\*\*63\)"),
         (dict(max_tokens="5"), r"max_tokens='5' is invalid: must be of type int"),
     ],
 )

@@ -95,7 +95,7 @@ def stream(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int]) -> 
         at, i = at + n, i + 1
         if hit:
             return deltas, True
-    deltas.append(detok.flush())
+    deltas.append(detok.flush()[0])
     return deltas, False
 
 
@@ -171,7 +171,7 @@ def test_partial_character_is_held_until_complete_and_flushed_at_the_end():
     assert deltas[-4:] == ["", "", "", "🙂"]
     cut = IncrementalDetokenizer(tok, [], [])
     assert "".join(cut.update([i])[0] for i in ids[:-1]) == "a "  # the 3 bytes of 🙂 are held
-    flushed = cut.flush()  # the request ended mid-character: release what decode gives
+    flushed, _ = cut.flush()  # the request ended mid-character: release what decode gives
     assert REPLACEMENT in flushed and cut.output_text == tok.decode(ids[:-1]) == "a " + flushed
 
 
@@ -212,12 +212,12 @@ def test_stop_strings_are_cut_and_never_leaked(kind, data):
         if hit:
             break
     if not hit:
-        sent += detok.flush()
+        sent += detok.flush()[0]
     assert hit == stopped
     assert sent == expected == detok.output_text
 
 
-def test_stop_string_spanning_tokens_holds_only_a_possible_prefix():
+def test_stop_string_spanning_tokens_holds_back_longest_stop_minus_one():
     tok = byte_level()
     ids = text_ids(tok, "the lazy dog STOP end")
     detok = IncrementalDetokenizer(tok, [], ["dog STOP"])
@@ -231,16 +231,65 @@ def test_stop_string_spanning_tokens_holds_only_a_possible_prefix():
 
     held = IncrementalDetokenizer(tok, [], ["dog STOP"])
     out = "".join(held.update([i])[0] for i in text_ids(tok, "the lazy dog ST"))
-    assert out == "the lazy "  # "dog ST" may still become the stop string
-    assert held.flush() == "dog ST"  # finished for another reason: it was not one
+    assert out == "the lazy"  # the last len("dog STOP") - 1 characters may still begin the stop string
+    assert held.flush() == (" dog ST", False)  # finished for another reason: it was not one
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string():
+    tok = byte_level()
+    detok = IncrementalDetokenizer(tok, [], ["dog"], include_stop_str_in_output=True)
+    sent, hit = "", False
+    for i in text_ids(tok, "the lazy dog jumps"):
+        delta, hit = detok.update([i])
+        sent += delta
+        if hit:
+            break
+    assert hit and sent == "the lazy dog"
+
+
+def test_stop_strings_are_not_matched_while_check_stop_is_off():
+    tok = byte_level()
+    ids = text_ids(tok, "the dog and the cat")
+    detok = IncrementalDetokenizer(tok, [], ["the"])
+    sent = ""
+    for k, i in enumerate(ids):
+        delta, hit = detok.update([i], check_stop=k >= 2)  # as before min_tokens=3
+        sent += delta
+        if hit:
+            break
+    assert hit and sent == "the dog and "  # the first "the" came before min_tokens
+
+
+def test_a_stop_string_completed_at_flush_is_reported():
+    tok = byte_fallback()
+    ids = tok.encode("a 🙂").ids
+    detok = IncrementalDetokenizer(tok, [], ["\ufffd"])
+    text = "".join(detok.update([i])[0] for i in ids[:-1])  # the 3 bytes of 🙂 are held as incomplete
+    flushed, hit = detok.flush()  # ends mid-character: decode gives U+FFFD, which is the stop string
+    assert hit and text + flushed == "a "
+
+
+def test_long_stop_strings_cost_linear_memory():
+    import tracemalloc
+
+    tok = byte_level()
+    stop = "x" * 200_000  # the old prefix set held every prefix: ~20 GB
+    tracemalloc.start()
+    detok = IncrementalDetokenizer(tok, [], [stop] * 4)
+    for i in text_ids(tok, "the lazy dog"):
+        detok.update([i])
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 8 << 20
+    assert detok.flush() == ("the lazy dog", False)
 
 
 def test_flush_after_everything_was_emitted_is_empty():
     tok = metaspace()
     detok = IncrementalDetokenizer(tok, [], ["zz"])
     text = "".join(detok.update([i])[0] for i in text_ids(tok, "café dog"))
-    assert text + detok.flush() == "café dog"
-    assert detok.flush() == ""
+    assert text + detok.flush()[0] == "café dog"
+    assert detok.flush() == ("", False)
 
 
 @settings(max_examples=30, deadline=None)

@@ -47,6 +47,13 @@ class EngineConfig:
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
+    # Bounds on what one request may cost (errors name the field and the limit).
+    max_logprobs: int = 20  # most top logprobs per token a request may ask for (vLLM's default)
+    max_stop_strings: int = 64
+    max_stop_str_len: int = 1024  # characters; the detokenizer holds back max_stop_str_len - 1 at most
+    max_prompt_bytes: int | None = None  # UTF-8 bytes; default: 16 per token of max_model_len
+    max_sampling_parameters_bytes: int = 256 << 10  # the sampling_parameters JSON text
+    max_json_depth: int = 64  # nesting of the sampling_parameters JSON (a JSON schema nests ~2 per level)
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -67,6 +74,10 @@ class EngineConfig:
         check(self.dtype in ("auto", *DTYPES), "dtype", f"one of auto, {', '.join(DTYPES)}")
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", " or ".join(SCHEDULING_POLICIES))
         check(self.kv_reservation in KV_RESERVATIONS, "kv_reservation", " or ".join(KV_RESERVATIONS))
+        for name in ("max_stop_strings", "max_stop_str_len", "max_sampling_parameters_bytes", "max_json_depth"):
+            check(getattr(self, name) >= 1, name, ">= 1")
+        check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
+        check(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes", ">= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

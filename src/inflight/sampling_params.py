@@ -128,7 +128,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
-    logprobs: int | None = None  # top-N logprobs per generated token
+    logprobs: int | None = None  # top-N logprobs per generated token (at most the engine's max_logprobs)
     # Output constraint, as an object ({"json": schema} | {"regex": ...} | {"choice": [...]} |
     # {"grammar": EBNF} | {"json_object": true}); normalized to StructuredOutputsParams.
     structured_outputs: StructuredOutputsParams | dict[str, Any] | None = None
@@ -137,8 +137,12 @@ class SamplingParams:
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_json_object: bool | None = None
-
-    MAX_LOGPROBS = 20
+    include_stop_str_in_output: bool = False  # keep the stop string / stop token's text that ended the output
+    skip_special_tokens: bool = True
+    # Accepted for vLLM compatibility; the `tokenizers` decoder decides the spacing of special tokens.
+    spaces_between_special_tokens: bool = True
+    n: int = 1  # sequences per request: only 1 (send n requests for n samples)
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -170,8 +174,12 @@ class SamplingParams:
                 _fail(name, getattr(self, name), "in [-2, 2]")
         if self.seed is not None and not (0 <= self.seed < 2**63):
             _fail("seed", self.seed, "in [0, 2**63)")
-        if self.logprobs is not None and not (0 <= self.logprobs <= self.MAX_LOGPROBS):
-            _fail("logprobs", self.logprobs, f"in [0, {self.MAX_LOGPROBS}]")
+        if self.logprobs is not None and self.logprobs < 0:
+            _fail("logprobs", self.logprobs, ">= 0")
+        if self.n != 1:
+            _fail("n", self.n, "1: one sequence per request (parallel sampling is not implemented; send n requests)")
+        if self.best_of is not None and self.best_of != 1:
+            _fail("best_of", self.best_of, "1 or null: one sequence per request (send best_of requests)")
         if any(s == "" for s in self.stop):
             _fail("stop", self.stop, "non-empty strings")
         if any(t < 0 for t in self.stop_token_ids):
@@ -203,7 +211,7 @@ class SamplingParams:
                 if not all(isinstance(v, inner) and not isinstance(v, bool) for v in value):
                     _fail(name, value, f"a list of {inner.__name__}")
                 continue
-            if value is None and name in ("seed", "logprobs"):
+            if value is None and name in ("seed", "logprobs", "best_of"):
                 continue
             if kind is bool:
                 ok = isinstance(value, bool)
@@ -230,12 +238,38 @@ class SamplingParams:
         return cls(**kwargs)
 
     @classmethod
-    def from_json(cls, text: str) -> SamplingParams:
+    def from_json(cls, text: str, max_bytes: int = 256 << 10, max_depth: int = 64) -> SamplingParams:
+        """Parse a JSON object, bounded in size (checked before parsing) and nesting."""
+        size = len(text.encode("utf-8")) if len(text) * 4 > max_bytes else len(text)
+        if size > max_bytes:
+            raise InvalidRequestError(
+                f"sampling_parameters is {size} bytes: the limit is max_sampling_parameters_bytes={max_bytes}"
+            )
         try:
             data = json.loads(text) if text.strip() else {}
         except json.JSONDecodeError as e:
             raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}") from None
+        except RecursionError:
+            data, depth = None, max_depth + 1
+        else:
+            depth = json_depth(data, max_depth + 1)
+        if depth > max_depth:
+            raise InvalidRequestError(
+                f"sampling_parameters nests more than {max_depth} levels deep: the limit is max_json_depth={max_depth}"
+            )
         return cls.from_dict(data)
+
+
+def json_depth(value: Any, cap: int) -> int:
+    """Nesting depth of parsed JSON (a scalar is 0, `{}` is 1), counting no further than `cap`."""
+    depth, level = 0, [value]
+    while depth < cap:
+        containers = [v for v in level if isinstance(v, (dict, list))]
+        if not containers:
+            break
+        depth += 1
+        level = [c for v in containers for c in (v.values() if isinstance(v, dict) else v)]
+    return depth
 
 
 def _coerce(name: str, kind: Any, value: Any) -> Any:

@@ -36,6 +36,8 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        # A prompt's text is bounded before it is tokenized: tokenizing 10 MB takes seconds.
+        self.max_prompt_bytes = config.max_prompt_bytes or 16 * self.max_model_len
         self.eos_token_ids = set(mc.eos_token_ids)
 
         self.num_kv_blocks = self._num_kv_blocks()
@@ -95,7 +97,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self._seqs:
             raise InvalidRequestError(f"request_id={request_id!r} is already in flight")
-        token_ids = self._tokenize(prompt)
+        self.check_params(params)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else self._check_token_ids(prompt)
         self._check_fits(len(token_ids), params)
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(
@@ -106,7 +109,9 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
         )
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.stop)
+        detok = IncrementalDetokenizer(
+            self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        )
         self._seqs[request_id] = seq
         self._detoks[request_id] = detok
         try:
@@ -119,11 +124,42 @@ class LLMEngine:
             raise
         self.counters["prompt_tokens"] += len(token_ids)
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise InvalidRequestError("prompt is empty: give at least one character")
-            return self.tokenizer.encode(prompt).ids
+    def tokenize(self, prompt: str) -> list[int]:
+        """Prompt text -> token ids, bounded by max_prompt_bytes. Thread-safe (it reads only the
+        tokenizer and the config): servers call it off the engine thread and submit the ids."""
+        if not prompt:
+            raise InvalidRequestError("prompt is empty: give at least one character")
+        limit = self.max_prompt_bytes
+        if len(prompt) * 4 > limit and len(prompt.encode("utf-8")) > limit:
+            raise InvalidRequestError(
+                f"prompt is {len(prompt.encode('utf-8'))} bytes: the limit is max_prompt_bytes={limit} "
+                f"(16 bytes per token of max_model_len={self.max_model_len} unless set)"
+            )
+        return self.tokenizer.encode(prompt).ids
+
+    def check_params(self, params: SamplingParams) -> None:
+        """The engine's bounds on one request's parameters. Thread-safe."""
+        cfg = self.config
+        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+            raise InvalidRequestError(
+                f"logprobs={params.logprobs} is too large: the limit is max_logprobs={cfg.max_logprobs}"
+            )
+        if len(params.stop) > cfg.max_stop_strings:
+            raise InvalidRequestError(
+                f"stop has {len(params.stop)} strings: the limit is max_stop_strings={cfg.max_stop_strings}"
+            )
+        longest = max((len(s) for s in params.stop), default=0)
+        if longest > cfg.max_stop_str_len:
+            raise InvalidRequestError(
+                f"stop has a string of {longest} characters: the limit is max_stop_str_len={cfg.max_stop_str_len}"
+            )
+        if len(params.stop_token_ids) > cfg.max_stop_strings:
+            raise InvalidRequestError(
+                f"stop_token_ids has {len(params.stop_token_ids)} ids: the limit is "
+                f"max_stop_strings={cfg.max_stop_strings}"
+            )
+
+    def _check_token_ids(self, prompt: list[int]) -> list[int]:
         if not prompt:
             raise InvalidRequestError("prompt_token_ids is empty: give at least one token")
         vocab = self.model_config.vocab_size
@@ -221,7 +257,15 @@ class LLMEngine:
             return []
         tokens = sampled.token_ids.tolist()
         logprobs = self._logprobs(seqs, sampled)
-        deltas = detokenize_batch([self._detoks[s.request_id] for s in seqs], [[t] for t in tokens])
+        # vLLM's rules: a stop token's text is not output (unless include_stop_str_in_output), and stop
+        # strings are looked for only once the output has min_tokens tokens.
+        stop_tok = [self._is_stop_token(seq, tok) for seq, tok in zip(seqs, tokens)]
+        feed = [
+            [] if st and not seq.sampling_params.include_stop_str_in_output else [tok]
+            for seq, tok, st in zip(seqs, tokens, stop_tok)
+        ]
+        check = [len(seq.output_token_ids) + 1 >= seq.sampling_params.min_tokens for seq in seqs]
+        deltas = detokenize_batch([self._detoks[s.request_id] for s in seqs], feed, check)
         outputs = []
         for i, (seq, tok, (text, stop_hit)) in enumerate(zip(seqs, tokens, deltas)):
             seq.output_token_ids.append(tok)
@@ -236,27 +280,28 @@ class LLMEngine:
             if logprobs is not None and logprobs[i] is not None:
                 new_lp = [logprobs[i]]
                 seq.cumulative_logprob += logprobs[i].logprob
-            reason = FinishReason.STOP if stop_hit else self._finish_reason(seq, tok)
-            if reason is None:
+            if stop_hit or stop_tok[i] or self.structured_outputs.is_terminated(seq):  # grammar took a stop token
+                reason = FinishReason.STOP
+            elif len(seq.output_token_ids) >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = FinishReason.LENGTH
+            else:
                 outputs.append(self._output(seq, text, [tok], new_lp, finished=False))
                 continue
             if not stop_hit:
-                text += self._detoks[seq.request_id].flush()
+                rest, stop_hit = self._detoks[seq.request_id].flush()
+                text += rest
+                if stop_hit:  # the held-back text completed a stop string after all
+                    reason = FinishReason.STOP
             self.scheduler.finish(seq, reason)
             outputs.append(self._finish_output(seq, text, [tok], new_lp))
         self.counters["generation_tokens"] += len(tokens)
         return outputs
 
-    def _finish_reason(self, seq: Sequence, tok: int) -> FinishReason | None:
+    def _is_stop_token(self, seq: Sequence, tok: int) -> bool:
         p = seq.sampling_params
-        n = len(seq.output_token_ids)
-        if self.structured_outputs.is_terminated(seq):  # the grammar ended (it took a stop token)
-            return FinishReason.STOP
-        if n >= p.min_tokens and ((tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids):
-            return FinishReason.STOP
-        if n >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
+        if len(seq.output_token_ids) + 1 < p.min_tokens:
+            return False
+        return (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
 
     def _logprobs(self, seqs: list[Sequence], sampled) -> list[TokenLogprob | None] | None:
         if sampled.logprobs is None:

@@ -38,8 +38,9 @@ class DecodedRequest:
     priority: int = 0
 
 
-def decode_request(request) -> DecodedRequest:
-    """Read a vLLM-backend-style request; raise InvalidRequestError naming the field."""
+def decode_request(request, max_json_bytes: int = 256 << 10, max_json_depth: int = 64) -> DecodedRequest:
+    """Read a vLLM-backend-style request; raise InvalidRequestError naming the field. The sampling
+    parameters' JSON is bounded in size (before parsing) and nesting."""
     prompt = _text(request, "text_input", required=True)
     if prompt == "":
         raise InvalidRequestError("text_input is empty: give a prompt of at least one character")
@@ -49,21 +50,22 @@ def decode_request(request) -> DecodedRequest:
         raise InvalidRequestError(
             "exclude_input_in_output=false is not allowed with stream=true (a stream carries only new text)"
         )
-    params = _sampling_params(request)
+    params = _sampling_params(request, max_json_bytes, max_json_depth)
     returns = frozenset(out for flag, out in RETURN_FLAGS.items() if _flag(request, flag, False))
     priority_tensor = pb_utils.get_input_tensor_by_name(request, "priority")
     priority = int(priority_tensor.as_numpy().reshape(-1)[0]) if priority_tensor is not None else 0
     return DecodedRequest(prompt, params, stream, not stream and not exclude, returns, priority)
 
 
-def _sampling_params(request) -> SamplingParams:
+def _sampling_params(request, max_bytes: int, max_depth: int) -> SamplingParams:
     sampling = _text(request, "sampling_parameters", required=False)
     try:
         if sampling is not None:
-            return SamplingParams.from_json(sampling)
+            return SamplingParams.from_json(sampling, max_bytes, max_depth)
         # The vLLM backend's fallback: sampling parameters as request parameters (BLS cannot send tensors).
         raw = json.loads(request.parameters() or "{}")
-        return SamplingParams.from_dict({k: v for k, v in raw.items() if not k.startswith("triton_")})
+        params = {k: v for k, v in raw.items() if not k.startswith("triton_")}
+        return SamplingParams.from_json(json.dumps(params), max_bytes, max_depth) if params else SamplingParams()
     except InvalidRequestError:
         raise
     except (TypeError, ValueError) as e:  # a value of a shape the field checks did not expect

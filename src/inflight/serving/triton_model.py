@@ -186,10 +186,14 @@ class TritonPythonModel:
         )
 
     def execute(self, requests: list) -> None:
+        cfg = self.engine.config
         for request in requests:
             arrival = time.monotonic()
             try:
-                decoded = decode_request(request)
+                decoded = decode_request(request, cfg.max_sampling_parameters_bytes, cfg.max_json_depth)
+                self.engine.check_params(decoded.params)
+                # Tokenized here, on Triton's thread: the engine thread only computes.
+                prompt_token_ids = self.engine.tokenize(decoded.prompt)
             except InvalidRequestError as e:
                 self._reject(request, ErrorKind.INVALID, str(e))
                 continue
@@ -199,7 +203,9 @@ class TritonPythonModel:
                 continue
             writer = ResponseWriter(request, decoded, self.tokenizer, self.metrics, arrival)
             request_id = f"{next(self._ids)}-{request.request_id()}"
-            self.loop.submit(Submission(request_id, decoded.prompt, decoded.params, writer, decoded.priority, arrival))
+            self.loop.submit(
+                Submission(request_id, prompt_token_ids, decoded.params, writer, decoded.priority, arrival)
+            )
         return None
 
     def _on_broken(self, reason: str) -> None:

@@ -35,14 +35,16 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str],
         skip_special_tokens: bool = True,
+        include_stop_str_in_output: bool = False,
     ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str_in_output = include_stop_str_in_output
         self.stop = [s for s in stop if s]
-        # Every proper prefix of a stop string: a text tail in this set may still become a stop string.
-        self._stop_prefixes = {s[:i] for s in self.stop for i in range(1, len(s))}
+        # vLLM's scheme: while stop strings are checked, the last (longest stop - 1) characters are held
+        # back, since they may begin one; each step searches only the held text plus the new text. Memory
+        # and time are linear in the stop strings' length.
         self._max_hold = max((len(s) - 1 for s in self.stop), default=0)
-        self._first_chars = {s[0] for s in self.stop}  # pending text without any: nothing to check
         # Skipped special tokens are dropped before they reach the window, so the context is always real
         # text: a window that started with a skipped token would lose the next token's leading space.
         self._skipped = _special_ids(tokenizer) if skip_special_tokens else frozenset()
@@ -66,24 +68,26 @@ class IncrementalDetokenizer:
     def stopped(self) -> bool:
         return self._stopped
 
-    def update(self, new_token_ids: list[int]) -> tuple[str, bool]:
-        """Append tokens; return (text delta safe to emit now, stop_string_hit)."""
+    def update(self, new_token_ids: list[int], check_stop: bool = True) -> tuple[str, bool]:
+        """Append tokens; return (text delta safe to emit now, stop_string_hit). With `check_stop`
+        False (before min_tokens) stop strings are not looked for and nothing is held back for them."""
         if self._stopped:
             return "", True
         self._push(new_token_ids)
         if self._prefix_text is None:
             self._prefix_text = self._decode(self._window[: self._read])
-        return self._consume(self._decode(self._window))
+        return self._consume(self._decode(self._window), check_stop=check_stop)
 
-    def flush(self) -> str:
-        """The request finished for another reason (length, eos, abort): release any held-back text."""
+    def flush(self) -> tuple[str, bool]:
+        """The request finished for another reason (length, eos, abort): release any held-back text.
+        Returns (text, stop_string_hit): the released text may still complete a stop string."""
         if self._stopped:
-            return ""
+            return "", True
         if self._read < len(self._window):
             if self._prefix_text is None:
                 self._prefix_text = self._decode(self._window[: self._read])
-            return self._consume(self._decode(self._window), final=True)[0]
-        return self._release(final=True)[0]
+            return self._consume(self._decode(self._window), final=True)
+        return self._release(final=True)
 
     # -- a step is _push, decode, _consume: split so a batch can share one decode_batch call ------------
 
@@ -93,7 +97,7 @@ class IncrementalDetokenizer:
         else:
             self._window.extend(new_token_ids)
 
-    def _consume(self, full: str, final: bool = False) -> tuple[str, bool]:
+    def _consume(self, full: str, final: bool = False, check_stop: bool = True) -> tuple[str, bool]:
         """Take the decoded window's text; emit what it adds to the context's."""
         prefix = self._prefix_text
         # Hold back while the window ends inside a character (decoders give U+FFFD for the partial
@@ -105,7 +109,7 @@ class IncrementalDetokenizer:
             self._marks.append(self._read)
             if self._read > _MAX_WINDOW:
                 self._restart()
-        return self._release(final)
+        return self._release(final, check_stop)
 
     def _restart(self) -> None:
         """Drop all but the last >= _CONTEXT tokens, cut at a character boundary; the new context's
@@ -127,23 +131,23 @@ class IncrementalDetokenizer:
                 return ids[len(ids) - n :], text
         return ids[-_CONTEXT:], None
 
-    def _release(self, final: bool) -> tuple[str, bool]:
+    def _release(self, final: bool, check_stop: bool = True) -> tuple[str, bool]:
         pending = self._pending
         if not pending:
             return "", False
-        if any(c in pending for c in self._first_chars):
-            # A stop string can only start in the pending text: an earlier start would have been a
-            # held-back prefix of it.
-            hit = -1
+        if self.stop and check_stop:
+            # Emitted text never ends inside a stop string's possible start, so a stop string can only
+            # begin in the pending text.
+            hit, end = -1, -1
             for stop in self.stop:
                 i = pending.find(stop)
                 if i >= 0 and (hit < 0 or i < hit):
-                    hit = i
+                    hit, end = i, i + len(stop)
             if hit >= 0:
                 self._stopped = True
                 self._pending = ""
-                return self._emit(pending[:hit]), True
-            held = 0 if final else self._held_back(pending)
+                return self._emit(pending[: end if self.include_stop_str_in_output else hit]), True
+            held = 0 if final else min(self._max_hold, len(pending))
             if held:
                 self._pending = pending[-held:]
                 return self._emit(pending[:-held]), False
@@ -154,13 +158,6 @@ class IncrementalDetokenizer:
         if delta:
             self._out.append(delta)
         return delta
-
-    def _held_back(self, pending: str) -> int:
-        """Length of the longest tail of the pending text that could still begin a stop string."""
-        for k in range(min(self._max_hold, len(pending)), 0, -1):
-            if pending[-k:] in self._stop_prefixes:
-                return k
-        return 0
 
     def _keep(self, ids: list[int]) -> list[int]:
         return [t for t in ids if t not in self._skipped]
@@ -173,7 +170,9 @@ def _special_ids(tokenizer: tokenizers.Tokenizer) -> frozenset[int]:
     return frozenset(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
 
 
-def detokenize_batch(detoks: list[IncrementalDetokenizer], new_tokens: list[list[int]]) -> list[tuple[str, bool]]:
+def detokenize_batch(
+    detoks: list[IncrementalDetokenizer], new_tokens: list[list[int]], check_stop: list[bool] | None = None
+) -> list[tuple[str, bool]]:
     """`update` on every sequence, with one `decode_batch` call for all sequences sharing a tokenizer."""
     results: list[tuple[str, bool]] = [("", True)] * len(detoks)
     groups: dict[tuple[int, bool], list[int]] = {}
@@ -193,5 +192,5 @@ def detokenize_batch(detoks: list[IncrementalDetokenizer], new_tokens: list[list
             d = detoks[i]
             if d._prefix_text is None:
                 d._prefix_text = next(texts)
-            results[i] = d._consume(next(texts))
+            results[i] = d._consume(next(texts), check_stop=True if check_stop is None else check_stop[i])
     return results
