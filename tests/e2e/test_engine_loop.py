@@ -198,3 +198,48 @@ def _wait(condition, timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+class SlowClient(Recorder):
+    """Sending takes a while (a busy server): outputs that queue up meanwhile arrive merged."""
+
+    def on_output(self, output) -> None:
+        time.sleep(0.05)
+        super().on_output(output)
+
+
+def test_outputs_that_queue_up_are_merged_and_lose_nothing(loop):
+    fast, slow = submit(loop, max_tokens=40, ignore_eos=True), SlowClient()
+    loop.submit(Submission("slow", "Hello world", SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), slow))
+    assert fast.done.wait(60) and slow.done.wait(60)
+    assert slow.error is None and slow.text == fast.text
+    assert sum(len(o.new_token_ids) for o in slow.outputs) == 40 == slow.outputs[-1].num_output_tokens
+    assert len(slow.outputs) < 40  # merged while the responder was busy sending
+    assert slow.outputs[-1].finished and slow.outputs[-1].finish_reason == "length"
+
+
+def test_cancellation_is_seen_within_the_interval(engine):
+    loop = EngineLoop(engine, cancel_interval_s=0.05).start()
+    try:
+        rec = submit(loop, max_tokens=200, ignore_eos=True)
+        assert rec.started.wait(30)
+        rec.cancelled = True
+        cancelled_at = time.monotonic()
+        assert rec.done.wait(10) and rec.error[0] is ErrorKind.CANCELLED
+        assert time.monotonic() - cancelled_at < 1.0
+        assert _wait(lambda: engine.block_manager.num_used_blocks == 0)
+    finally:
+        assert loop.stop(timeout_s=10)
+
+
+def test_metrics_are_published_from_snapshots_at_an_interval(engine):
+    snaps = []
+    loop = EngineLoop(engine, on_iteration=snaps.append, metrics_interval_s=0.2).start()
+    try:
+        rec = submit(loop, max_tokens=30, ignore_eos=True)
+        assert rec.done.wait(30)
+        time.sleep(0.5)
+    finally:
+        assert loop.stop(timeout_s=10)
+    assert snaps and snaps[-1].generation_tokens == 30 and snaps[-1].num_running == 0
+    assert len(snaps) < engine.counters["steps"]  # not one publication per step
