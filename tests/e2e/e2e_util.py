@@ -51,14 +51,29 @@ def wait_for(condition, timeout_s: float = 15.0, interval_s: float = 0.1):
         time.sleep(interval_s)
 
 
+# The server publishes metrics from one engine snapshot at most this often.
+METRICS_INTERVAL_S = 0.5
+
+
 def settled(server, timeout_s: float = 15.0) -> dict:
-    """Metrics once the engine is idle (its counters are updated in the same iteration as the gauges)."""
+    """Metrics once the engine is idle: idle in two scrapes a publication interval apart with the same
+    counters (a snapshot taken in a gap between requests also shows an idle engine). Counters and gauges
+    come from the same snapshot."""
+    previous: list[dict] = []
 
     def idle():
         samples = scrape(server.metrics_url)
         running = metric(samples, "inflight_requests", state="running")
         waiting = metric(samples, "inflight_requests", state="waiting")
-        return samples if running == 0 and waiting == 0 else None
+        if running or waiting:
+            previous.clear()
+            return None
+        counters = [metric(samples, f"inflight_{n}_total") for n in ("prompt_tokens", "generation_tokens")]
+        if previous and previous[0] == counters:
+            return samples
+        previous[:] = [counters]
+        time.sleep(METRICS_INTERVAL_S + 0.1)
+        return None
 
     samples = wait_for(idle, timeout_s)
     assert samples, f"engine still busy after {timeout_s} s"

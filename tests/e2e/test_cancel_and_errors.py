@@ -17,8 +17,13 @@ def test_cancel_mid_stream_returns_kv_blocks(client, server):
     stream = client.stream(PROMPTS[4], {"temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
     for _ in range(3):
         next(stream)
-    during = scrape(server.metrics_url)
-    assert metric(during, "inflight_kv_blocks", state="used") > 0
+
+    def busy():  # metrics are published at most every 0.5 s
+        samples = scrape(server.metrics_url)
+        return samples if metric(samples, "inflight_kv_blocks", state="used") > 0 else None
+
+    during = wait_for(busy, timeout_s=5, interval_s=0.05)
+    assert during, "the running request never showed in the metrics"
     assert metric(during, "inflight_requests", state="running") == 1
 
     stream.cancel()

@@ -52,3 +52,12 @@ def test_metrics_after_traffic(client, server):
     assert e2e_sum <= sum(r.e2e_s for r in results) + 0.5
     ttft_sum = delta("inflight_time_to_first_token_seconds_sum")
     assert ttft_sum <= e2e_sum
+
+    # The vLLM backend's names carry the same figures.
+    assert delta("vllm:generation_tokens_total") == n * max_tokens
+    assert delta("vllm:prompt_tokens_total") == delta("inflight_prompt_tokens_total")
+    assert delta("vllm:num_preemptions_total") == delta("inflight_preemptions_total")
+    assert metric(after, "vllm:num_requests_running") == metric(after, "vllm:num_requests_waiting") == 0
+    assert metric(after, "vllm:gpu_cache_usage_perc") == 0
+    for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"vllm:{name}_count") == delta(f"inflight_{name}_count") == n

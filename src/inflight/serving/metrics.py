@@ -1,8 +1,10 @@
 """Engine metrics on Triton's metrics port, through the Python backend's `pb_utils.MetricFamily`.
 
-Gauges and counters are refreshed by the engine thread from the `EngineSnapshot` the engine publishes
-(never its internals); the latency histograms are observed per request when its responses are sent (what the client
-sees). Every family is kept on `self`: a garbage-collected MetricFamily invalidates its metrics.
+Gauges and counters are refreshed by the engine loop's responder thread from the latest `EngineSnapshot`
+the engine publishes (never its internals), at most every ~0.5 s; the latency histograms are observed per
+request when its responses are sent (what the client sees). Each figure is exported as `inflight_*` and
+under the name of Triton's vLLM backend (`vllm:*`). Every family is kept on `self`: a garbage-collected
+MetricFamily invalidates its metrics.
 """
 
 from __future__ import annotations
@@ -76,6 +78,28 @@ class TritonMetrics:
         self.e2e = make(
             "inflight_e2e_request_latency_seconds", "Request arrival to final response", histogram, None, E2E_BUCKETS
         )
+        # The same figures under the names of Triton's vLLM backend, for dashboards and autoscalers built on it.
+        self.vllm_prompt_tokens = make("vllm:prompt_tokens_total", "Number of prefill tokens processed", counter)
+        self.vllm_generation_tokens = make(
+            "vllm:generation_tokens_total", "Number of generation tokens processed", counter
+        )
+        self.vllm_preemptions = make("vllm:num_preemptions_total", "Number of preemptions", counter)
+        self.vllm_running = make("vllm:num_requests_running", "Number of requests running", gauge)
+        self.vllm_waiting = make("vllm:num_requests_waiting", "Number of requests waiting", gauge)
+        self.vllm_kv_usage = make("vllm:gpu_cache_usage_perc", "KV cache usage, 1 = 100% (on a CPU too)", gauge)
+        self.vllm_ttft = make(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token", histogram, None, TTFT_BUCKETS
+        )
+        self.vllm_tpot = make(
+            "vllm:time_per_output_token_seconds",
+            "Histogram of time per output token (one observation per request: its mean)",
+            histogram,
+            None,
+            TPOT_BUCKETS,
+        )
+        self.vllm_e2e = make(
+            "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency", histogram, None, E2E_BUCKETS
+        )
         self._counted = {
             "num_preemptions": 0,
             "prompt_tokens": 0,
@@ -90,9 +114,9 @@ class TritonMetrics:
         """Refresh from one snapshot of the engine."""
         # Counters before gauges: a reader that sees the gauges of this iteration sees its counters too.
         for key, metrics in (
-            ("num_preemptions", [self.preemptions]),
-            ("prompt_tokens", [self.prompt_tokens]),
-            ("generation_tokens", [self.generation_tokens]),
+            ("num_preemptions", [self.preemptions, self.vllm_preemptions]),
+            ("prompt_tokens", [self.prompt_tokens, self.vllm_prompt_tokens]),
+            ("generation_tokens", [self.generation_tokens, self.vllm_generation_tokens]),
             ("prefix_cache_queries", [self.prefix_cache_queries, self.vllm_prefix_cache_queries]),
             ("prefix_cache_hits", [self.prefix_cache_hits, self.vllm_prefix_cache_hits]),
         ):
@@ -103,6 +127,10 @@ class TritonMetrics:
                 self._counted[key] = value
         self.requests["running"].set(snap.num_running)
         self.requests["waiting"].set(snap.num_waiting)
+        self.vllm_running.set(snap.num_running)
+        self.vllm_waiting.set(snap.num_waiting)
+        total_blocks = snap.num_kv_blocks_used + snap.num_kv_blocks_free
+        self.vllm_kv_usage.set(snap.num_kv_blocks_used / total_blocks if total_blocks else 0.0)
         self.kv_blocks["used"].set(snap.num_kv_blocks_used)
         self.kv_blocks["free"].set(snap.num_kv_blocks_free)
         self.kv_blocks["cached"].set(snap.num_kv_blocks_cached)
@@ -118,6 +146,9 @@ class TritonMetrics:
     def observe_request(self, ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+            self.vllm_ttft.observe(ttft_s)
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+            self.vllm_tpot.observe(tpot_s)
         self.e2e.observe(e2e_s)
+        self.vllm_e2e.observe(e2e_s)
