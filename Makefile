@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test serve lint bench bench-serving loadtest kernel-resources
+.PHONY: install test serve lint bench bench-serving loadtest kernel-resources aiperf hostile
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -38,3 +38,11 @@ loadtest: install
 ## Compile every kernel specialization the engine launches for sm_80/sm_90 (no GPU): regs, spills, shared memory.
 kernel-resources: install
 	$(PY) -m loadtest.kernel_resources $(KERNEL_ARGS)
+
+## NVIDIA AIPerf (own venv in .cache/) through Triton's HTTP generate_stream; AIPERF_ARGS="CONCURRENCY REQUESTS".
+aiperf: install
+	bash loadtest/aiperf.sh $(AIPERF_ARGS)
+
+## Hostile input (10 MB prompt, huge stop lists) against a server while a normal client measures TTFT.
+hostile: install
+	$(PY) -m loadtest.hostile_input $(HOSTILE_ARGS)
