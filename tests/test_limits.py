@@ -79,10 +79,10 @@ def test_a_normal_json_schema_passes_the_bounds():
             "properties": {f"field_{i}_{j}": {"type": "integer", "minimum": 0} for j in range(8)} | {"child": schema},
             "required": ["child"],
         }
-    text = json.dumps({"max_tokens": 8, "guided_json": schema})
+    text = json.dumps({"max_tokens": 8, "structured_outputs": {"json": schema}})
     assert 2_000 < len(text) < 64_000
-    with pytest.raises(InvalidRequestError, match="unknown key 'guided_json'"):  # past size and depth checks
-        SamplingParams.from_json(text)
+    params = SamplingParams.from_json(text)
+    assert params.structured_outputs is not None
 
 
 def test_stop_token_text_is_not_output_unless_asked(engine):
