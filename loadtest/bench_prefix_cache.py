@@ -126,7 +126,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 
     summaries = {name: summarize(run) for name, run in runs.items()}
     figures: dict[str, float | None] = {}
-    targets: dict[str, bool] = {}
+    targets: dict[str, bool | None] = {}  # None: the noise is larger than the target
     if args.only != "default":
         off, on = summaries["shared caching off"], summaries["shared caching on"]
         figures |= {
@@ -139,12 +139,17 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
             "output throughput >= 2x higher with caching": (figures["shared_throughput_on_over_off"] or 0) >= 2,
         }
     if args.only != "shared":
-        best = {c: max(r.tokens_per_s for r in default_runs[c]) for c in (False, True)}
+        rates = {c: [r.tokens_per_s for r in default_runs[c]] for c in (False, True)}
+        spread = max(max(v) / min(v) - 1 for v in rates.values())
         figures |= {
             "default_hit_rate": default_runs[True][0].prefix_cache_hit_rate,
-            "default_throughput_cost": 1 - best[True] / best[False],  # best of each side: noise only slows a run
+            # Best of each side: noise only slows a run.
+            "default_throughput_cost": 1 - max(rates[True]) / max(rates[False]),
+            "default_repeat_spread": spread,  # how far runs of one setting disagree: the noise floor
         }
-        targets["caching costs <= 2% on the default trace"] = figures["default_throughput_cost"] <= 0.02
+        # A 2% cost cannot be told from noise when repeats of one setting differ by more than that.
+        cost_ok = figures["default_throughput_cost"] <= 0.02
+        targets["caching costs <= 2% on the default trace"] = cost_ok if spread <= 0.02 or not cost_ok else None
     result = {
         "command": shlex.join(["python", "-m", "loadtest.bench_prefix_cache", *args.argv]),
         "model": str(model_dir),
@@ -192,9 +197,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{f['shared_throughput_on_over_off']:.2f}x higher with caching; hit rate {f['shared_hit_rate']:.1%}"
         )
     if "default_throughput_cost" in f:
-        print(f"default trace: caching costs {f['default_throughput_cost']:+.1%} of throughput (best of each side)")
+        print(
+            f"default trace: caching costs {f['default_throughput_cost']:+.1%} of throughput (best of each side); "
+            f"repeats of one setting differ by up to {f['default_repeat_spread']:.1%}"
+        )
     for name, ok in result["targets"].items():
-        print(f"  [{'met' if ok else 'MISSED'}] {name}")
+        verdict = "undecided: repeats disagree by more than the target" if ok is None else "met" if ok else "MISSED"
+        print(f"  [{verdict}] {name}")
     print(f"\nwrote {args.out / 'summary.json'} and {len(result['plots'])} plots to {args.out}/")
     return result
 
