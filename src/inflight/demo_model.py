@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 # Bump when the generated checkpoint changes, so the cached copy (`cached_demo_model`) is rebuilt.
-DEMO_MODEL_VERSION = 1
+DEMO_MODEL_VERSION = 2
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 DEMO_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -45,6 +45,18 @@ DEMO_CONFIG = {
     "eos_token_id": 2,
     "torch_dtype": "float32",
 }
+
+# A Zephyr-style chat template (as in HF's tokenizer_config.json): the OpenAI front renders it for
+# /v1/chat/completions. The tokenizer adds <s> itself, so the front drops the template's leading bos_token.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('the demo chat template knows the roles system, user and assistant, not ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
 
 _WORDS = """
 the a an of to in on at by for with from into over under model token batch block cache request
@@ -148,6 +160,7 @@ def write_demo_model(out_dir: str | Path, seed: int = 0) -> Path:
                 "add_bos_token": True,
                 "model_max_length": cfg["max_position_embeddings"],
                 "clean_up_tokenization_spaces": False,
+                "chat_template": CHAT_TEMPLATE,
             },
             indent=2,
         )

@@ -140,14 +140,17 @@ def encode_response(delta: ResponseDelta, returns: frozenset[str], decode_token:
 
 
 def logprobs_json(logprobs: list[TokenLogprob] | None, decode_token: Callable[[int], str]) -> str:
-    """The vLLM backend's shape: one {token_id: {logprob, rank, decoded_token}} per generated token."""
+    """The vLLM backend's shape: one {token_id: {logprob, rank, decoded_token}} per generated token, the
+    sampled token first (as vLLM orders it: readers tell it from the top-N that way), then the top-N by rank."""
     if logprobs is None:
         return "null"
     entries = []
     for lp in logprobs:
         ranked = sorted(lp.top.items(), key=lambda kv: -kv[1])
-        entry = {str(t): _logprob_entry(t, v, r, decode_token) for r, (t, v) in enumerate(ranked, start=1)}
-        entry.setdefault(str(lp.token_id), _logprob_entry(lp.token_id, lp.logprob, None, decode_token))
+        rank = next((r for r, (t, _) in enumerate(ranked, start=1) if t == lp.token_id), None)
+        entry = {str(lp.token_id): _logprob_entry(lp.token_id, lp.logprob, rank, decode_token)}
+        for r, (t, v) in enumerate(ranked, start=1):
+            entry.setdefault(str(t), _logprob_entry(t, v, r, decode_token))
         entries.append(entry)
     return json.dumps(entries)
 

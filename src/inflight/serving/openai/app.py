@@ -1,0 +1,342 @@
+"""The OpenAI-compatible HTTP API: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+
+Each request becomes one gRPC stream of the `llm` model (triton_stream.py); `stream: true` answers with
+Server-Sent Events ending in `data: [DONE]`. A streamed request waits for the model's first response
+before answering, so a request the model rejects still gets a proper 400 rather than an event. When the
+client goes away (during the stream or while a non-streamed request is running), the Triton request is
+cancelled and the engine frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from inflight.serving.openai import logprobs as lp
+from inflight.serving.openai.chat_template import ChatTemplateError
+from inflight.serving.openai.checkpoint import Checkpoint
+from inflight.serving.openai.protocol import (
+    MODEL_FIELDS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    openai_param,
+)
+from inflight.serving.openai.triton_stream import ModelError, ModelOutput, TritonLLM, TritonUnavailable
+
+T = TypeVar("T")
+_JSON_SEPARATORS = (",", ":")
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it (and so its Triton request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientDisconnected
+
+
+class Frontend:
+    """Shared state: the Triton client and what the served checkpoint says (read on first use)."""
+
+    def __init__(self, llm: TritonLLM, served_model_name: str, model_dir: str | Path | None) -> None:
+        self.llm = llm
+        self.served_model_name = served_model_name
+        self.model_dir = Path(model_dir) if model_dir else None
+        self.created = int(time.time())
+        self._checkpoint: Checkpoint | None = None
+        self._lock = asyncio.Lock()
+
+    async def checkpoint(self) -> Checkpoint:
+        if self._checkpoint is not None:
+            return self._checkpoint
+        async with self._lock:
+            if self._checkpoint is None:
+                params = await self.llm.parameters()  # raises TritonUnavailable
+                max_len = params.get("max_model_len", "")
+                model_dir = self.model_dir or (Path(params["model"]) if params.get("model") else None)
+                if model_dir is None:  # the model serves the embedded demo checkpoint; the same bytes here
+                    from inflight.demo_model import cached_demo_model
+
+                    model_dir = await asyncio.to_thread(cached_demo_model)
+                self._checkpoint = await asyncio.to_thread(
+                    Checkpoint.load, model_dir, int(max_len) if max_len.strip().isdigit() else None
+                )
+        return self._checkpoint
+
+    def check_model(self, name: str) -> None:
+        if name != self.served_model_name:
+            raise RequestError(
+                f"model={name!r} does not exist: this server serves {self.served_model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=_JSON_SEPARATORS)
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {_dumps(obj)}\n\n".encode()
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+class _Run:
+    """One request's translation: prompt, sampling parameters and the response shapes of its endpoint."""
+
+    def __init__(self, frontend: Frontend, body: CompletionRequest | ChatCompletionRequest) -> None:
+        self.frontend = frontend
+        self.body = body
+        self.chat = isinstance(body, ChatCompletionRequest)
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.object = "chat.completion" if self.chat else "text_completion"
+        self.prompt = ""
+        self.echo = ""
+        self.top_logprobs: int | None = None
+        self.sampling: dict[str, Any] = {}
+
+    async def prepare(self) -> None:
+        body, frontend = self.body, self.frontend
+        frontend.check_model(body.model)
+        if isinstance(body, ChatCompletionRequest):
+            body.check()
+            checkpoint = await frontend.checkpoint()
+            messages = [m.for_template() for m in body.messages]
+            extra = body.chat_template_kwargs or {}
+            try:
+                self.prompt = checkpoint.chat_prompt(messages, body.add_generation_prompt, **extra)
+            except ChatTemplateError as e:
+                raise RequestError(str(e), "messages") from None
+            max_tokens = body.requested_max_tokens
+            if max_tokens is None and checkpoint.max_model_len:  # OpenAI's default: the rest of the context
+                n = checkpoint.num_tokens(self.prompt)
+                if n is not None and n < checkpoint.max_model_len:
+                    max_tokens = checkpoint.max_model_len - n
+            self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            self.prompt = body.check()
+            self.echo = self.prompt if body.echo else ""
+            max_tokens = body.max_tokens
+            self.top_logprobs = body.logprobs
+        self.sampling = body.sampling_parameters(max_tokens, self.top_logprobs)
+
+    def outputs(self, stream: bool) -> AsyncIterator[ModelOutput]:
+        return self.frontend.llm.generate(
+            self.prompt, self.sampling, stream=stream, logprobs=self.top_logprobs is not None, request_id=self.id
+        )
+
+    def error(self, e: Exception) -> JSONResponse:
+        if isinstance(e, RequestError):
+            return error_response(400, e.message, e.param, e.code)
+        if isinstance(e, ModelError):
+            if e.field is None:
+                return error_response(500, e.message)
+            return error_response(400, e.message, openai_param(e.field, self.body))
+        if isinstance(e, TritonUnavailable):
+            return error_response(503, str(e), code="service_unavailable")
+        raise e
+
+    def _logprobs(self, entries: list[dict] | None, offset: int) -> dict | None:
+        if self.top_logprobs is None or entries is None:
+            return None
+        if self.chat:
+            return lp.chat_logprobs(entries, self.top_logprobs)
+        return lp.completion_logprobs(entries, self.top_logprobs, offset)
+
+    # ---- one JSON response ----------------------------------------------------------------------
+
+    async def collect(self) -> dict:
+        texts, entries = [], []
+        prompt_tokens = completion_tokens = 0
+        finish_reason = None
+        async for out in self.outputs(stream=False):
+            texts.append(out.text)
+            entries += out.logprobs or []
+            prompt_tokens = out.num_input_tokens or prompt_tokens
+            completion_tokens += out.num_output_tokens
+            finish_reason = out.finish_reason or finish_reason
+        text = "".join(texts)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = self.echo + text
+        choice["logprobs"] = self._logprobs(entries, len(self.echo))
+        choice["finish_reason"] = finish_reason
+        return {
+            "id": self.id,
+            "object": self.object,
+            "created": self.created,
+            "model": self.body.model,
+            "choices": [choice],
+            "usage": _usage(prompt_tokens, completion_tokens),
+        }
+
+    # ---- Server-Sent Events ---------------------------------------------------------------------
+
+    def _chunk(self, choices: list[dict], usage: dict | None, include_usage: bool) -> bytes:
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.chat else "text_completion",
+            "created": self.created,
+            "model": self.body.model,
+            "choices": choices,
+        }
+        if include_usage:
+            chunk["usage"] = usage
+        return _sse(chunk)
+
+    def _choice(self, text: str, out: ModelOutput | None, offset: int, first: bool) -> dict:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {}
+            if text:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs(out.logprobs, offset) if out is not None else None
+        choice["finish_reason"] = out.finish_reason if out is not None and out.final else None
+        return choice
+
+    async def events(self, first: ModelOutput, rest: AsyncIterator[ModelOutput]) -> AsyncIterator[bytes]:
+        options = self.body.stream_options
+        include_usage = options is not None and options.include_usage
+        prompt_tokens = completion_tokens = 0
+        offset = len(self.echo)
+        try:
+            if self.chat:  # the role first, as OpenAI does
+                yield self._chunk([self._choice("", None, 0, first=True)], None, include_usage)
+            elif self.echo:
+                yield self._chunk([self._choice(self.echo, None, 0, first=True)], None, include_usage)
+            out: ModelOutput | None = first
+            while out is not None:
+                prompt_tokens = out.num_input_tokens or prompt_tokens
+                completion_tokens += out.num_output_tokens
+                if out.text or out.final:
+                    yield self._chunk([self._choice(out.text, out, offset, first=False)], None, include_usage)
+                offset += len(out.text)
+                out = None if out.final else await anext(rest, None)
+            if include_usage:
+                yield self._chunk([], _usage(prompt_tokens, completion_tokens), include_usage)
+        except (ModelError, TritonUnavailable) as e:  # after the 200: the error goes out as an event
+            yield _sse(json.loads(self.error(e).body))
+        finally:
+            await rest.aclose()  # cancels the Triton request if the client left early
+        yield b"data: [DONE]\n\n"
+
+
+def create_app(
+    triton_url: str,
+    *,
+    model: str = "llm",
+    served_model_name: str | None = None,
+    model_dir: str | Path | None = None,
+) -> FastAPI:
+    """The ASGI app for Triton's gRPC endpoint `triton_url` (host:port), serving Triton model `model`.
+
+    model_dir: the checkpoint whose chat template and tokenizer to use; default: the `model` parameter of
+    the Triton model's config (the same machine), or the embedded demo model when that is empty.
+    """
+    frontend = Frontend(TritonLLM(triton_url, model, MODEL_FIELDS), served_model_name or model, model_dir)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        yield
+        await frontend.llm.close()
+
+    app = FastAPI(title="inflight OpenAI-compatible API", lifespan=lifespan)
+    app.state.frontend = frontend
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0]
+        loc = [p for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+        value = "" if first.get("type") == "missing" else f" (got {first.get('input')!r})"
+        return error_response(400, f"{param}: {first.get('msg')}{value}", param)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": frontend.served_model_name, "object": "model", "created": frontend.created}
+        return {"object": "list", "data": [card | {"owned_by": "inflight"}]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if await frontend.llm.ready() else 503)
+
+    async def handle(request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
+        run = _Run(frontend, body)
+        try:
+            await run.prepare()
+            if not body.stream:
+                return JSONResponse(await until_disconnected(request, run.collect()))
+            outputs = run.outputs(stream=True)
+            try:
+                first = await until_disconnected(request, anext(outputs))
+            except BaseException:
+                await outputs.aclose()
+                raise
+            return StreamingResponse(
+                run.events(first, outputs),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        except (RequestError, ModelError, TritonUnavailable) as e:
+            return run.error(e)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it; the Triton request is already cancelled
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await handle(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await handle(request, body)
+
+    return app

@@ -1,0 +1,200 @@
+"""OpenAI request bodies (pydantic) and their translation into the model's `sampling_parameters`.
+
+Only what the engine can honour is accepted: `n` > 1, tools, `logit_bias` and token-id prompts get a
+400 naming the field rather than being silently ignored. Value ranges are checked by the model itself
+(one set of limits), whose INVALID_ARG message is mapped back to the OpenAI field by `openai_param`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RequestError(ValueError):
+    """A 400 the front decides itself; `param` is the OpenAI field."""
+
+    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class _Sampling(BaseModel):
+    """Fields both endpoints share, vLLM's extras included."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+
+    def check_common(self) -> None:
+        if self.n != 1:
+            raise RequestError(f"n={self.n} is not supported: the server returns exactly 1 choice (n=1)", "n")
+        if self.logit_bias:
+            raise RequestError("logit_bias is not supported", "logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options is only allowed with stream=true", "stream_options")
+        rf = self.response_format
+        if rf is not None and rf.type == "json_schema" and rf.json_schema is None:
+            raise RequestError(
+                "response_format.type='json_schema' needs response_format.json_schema with a 'schema'",
+                "response_format.json_schema",
+            )
+
+    def sampling_parameters(self, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+        """The model's `sampling_parameters` (unset fields keep the engine's defaults)."""
+        fields = ("temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k", "min_p",
+                  "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids")  # fmt: skip
+        params: dict[str, Any] = {f: getattr(self, f) for f in fields if getattr(self, f) is not None}
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        if self.stop is not None:
+            params["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if logprobs is not None:
+            params["logprobs"] = logprobs
+        structured = structured_outputs(self.response_format)
+        if structured is not None:
+            params["structured_outputs"] = structured
+        return params
+
+
+def structured_outputs(response_format: ResponseFormat | None) -> dict[str, Any] | None:
+    """response_format in vLLM's `structured_outputs` shape."""
+    if response_format is None or response_format.type == "text":
+        return None
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    assert response_format.json_schema is not None  # check_common
+    return {"json": response_format.json_schema.schema_}
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> str:
+        """The prompt text, after the checks only the front can make."""
+        self.check_common()
+        if self.best_of not in (None, 1):
+            raise RequestError(f"best_of={self.best_of} is not supported: only 1", "best_of")
+        if self.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
+        prompt = self.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1 or not isinstance(prompt[0], str):
+                raise RequestError(
+                    "prompt must be a string or a list of exactly 1 string (no batches, no token ids)", "prompt"
+                )
+            prompt = prompt[0]
+        return prompt
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ...: the template may read them
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        message = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # text parts: joined, as vLLM does for string-content templates
+            message["content"] = "\n".join(part.text for part in self.content)
+        elif self.content is None:
+            message["content"] = ""
+        return message
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    functions: list[dict[str, Any]] | None = None
+    # vLLM's extras for the template
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        self.check_common()
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise RequestError(f"{name} are not supported (no tool calling)", name)
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def openai_param(field: str | None, request: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The OpenAI field behind a field named in the model's error message."""
+    if field is None:
+        return None
+    chat = isinstance(request, ChatCompletionRequest)
+    if field in ("text_input", "prompt", "prompt_token_ids"):
+        return "messages" if chat else "prompt"
+    if field == "max_tokens" and chat and request.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if field == "logprobs" and chat:
+        return "top_logprobs"
+    if field == "structured_outputs":
+        return "response_format"
+    return field
+
+
+# Fields the model's INVALID_ARG messages may name (SamplingParams' and the request's own).
+MODEL_FIELDS = frozenset(
+    {"text_input", "prompt", "prompt_token_ids", "sampling_parameters", "max_tokens", "min_tokens", "temperature",
+     "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
+     "stop", "stop_token_ids", "logprobs", "structured_outputs"}
+)  # fmt: skip

@@ -1,0 +1,199 @@
+"""One request of the `llm` model over Triton's gRPC stream, with the async tritonclient.
+
+Every request gets its own gRPC stream on one shared channel (HTTP/2 multiplexes them), so cancelling
+one never touches another. The request side is half-closed right after the request is sent; Triton then
+ends the stream after the final response. Cancelling the call before the final response makes Triton
+cancel the request, and the engine gives its KV blocks back at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+
+class TritonUnavailable(RuntimeError):
+    """Triton cannot be reached, or the model is not ready / shutting down (HTTP 503)."""
+
+
+class ModelError(RuntimeError):
+    """The model failed the request; `field` is the request field its message names (INVALID_ARG), if any."""
+
+    def __init__(self, message: str, field: str | None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+@dataclass
+class ModelOutput:
+    """One response of the model: text and counts since the previous response of the same request."""
+
+    text: str
+    final: bool
+    finish_reason: str | None  # on the final response
+    num_input_tokens: int  # the prompt's length (every response repeats it)
+    num_output_tokens: int  # tokens this response carries
+    logprobs: list[dict[str, dict]] | None  # the vLLM backend's per-token {token_id: {logprob, rank, decoded_token}}
+
+
+# Messages of the model's InvalidRequestError name the field first: "max_tokens=-1 is invalid: ...",
+# "prompt has 600 tokens; ...", "sampling_parameters has unknown key 'x'; ...".
+_REQUEST_ID = re.compile(r"^\[request id: [^\]]*\]\s*")
+_UNKNOWN_KEY = re.compile(r"^sampling_parameters has unknown key '(\w+)'")
+_LEADING_FIELD = re.compile(r"^(\w+)(?:=| is | has | must | \(| token id)")
+_UNAVAILABLE = ("shutting down", "unavailable", "is not ready", "unknown model", "is not found")
+
+
+def classify_error(message: str, fields: frozenset[str]) -> ModelError | TritonUnavailable:
+    """Turn the model's error message into a ModelError naming the field (a user error) or TritonUnavailable."""
+    message = _REQUEST_ID.sub("", message)
+    match = _UNKNOWN_KEY.match(message) or _LEADING_FIELD.match(message)
+    if match and match.group(1) in fields:
+        return ModelError(message, match.group(1))
+    if any(s in message for s in _UNAVAILABLE):
+        return TritonUnavailable(message)
+    return ModelError(message, None)
+
+
+def _input(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    tensor.set_data_from_numpy(array)
+    return tensor
+
+
+def _flag(name: str, value: bool) -> grpcclient.InferInput:
+    return _input(name, np.array([value]))
+
+
+def _first(result, name: str):
+    values = result.as_numpy(name)
+    return values.reshape(-1)[0] if values is not None and values.size else None
+
+
+class TritonLLM:
+    """The `llm` model at `url`, as an async generator of ModelOutputs per request."""
+
+    def __init__(self, url: str, model: str = "llm", invalid_fields: frozenset[str] = frozenset()) -> None:
+        self.url = url
+        self.model = model
+        self.invalid_fields = invalid_fields
+        self._client: grpcaio.InferenceServerClient | None = None
+        self._draining: set[asyncio.Task] = set()
+
+    @property
+    def client(self) -> grpcaio.InferenceServerClient:
+        # Created lazily inside the running event loop: grpc.aio channels belong to the loop that made them.
+        if self._client is None:
+            self._client = grpcaio.InferenceServerClient(self.url)
+        return self._client
+
+    async def close(self) -> None:
+        if self._draining:
+            await asyncio.wait(self._draining, timeout=5)
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def parameters(self) -> dict[str, str]:
+        """The model's config.pbtxt `parameters` (engine settings, e.g. `model`, `max_model_len`)."""
+        try:
+            config = await self.client.get_model_config(self.model, as_json=True, client_timeout=10)
+        except InferenceServerException as e:
+            raise TritonUnavailable(f"cannot read the config of model '{self.model}' at {self.url}: {e}") from None
+        params = config.get("config", {}).get("parameters", {})
+        return {k: v.get("string_value", "") for k, v in params.items()}
+
+    async def ready(self) -> bool:
+        try:
+            return await self.client.is_model_ready(self.model, client_timeout=5)
+        except InferenceServerException:
+            return False
+
+    async def generate(
+        self,
+        prompt: str,
+        sampling_parameters: Mapping[str, Any],
+        *,
+        stream: bool,
+        logprobs: bool = False,
+        request_id: str = "",
+    ) -> AsyncIterator[ModelOutput]:
+        """Yield the model's responses; raise ModelError / TritonUnavailable. Leaving the iteration before
+        the final response (an exception, a cancelled task, `aclose()`) cancels the request on the server."""
+        inputs = [
+            _input("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_)),
+            _flag("stream", stream),
+            _input("sampling_parameters", np.array([json.dumps(dict(sampling_parameters)).encode()], dtype=np.object_)),
+            _flag("exclude_input_in_output", True),
+            _flag("return_finish_reason", True),
+            _flag("return_num_input_tokens", True),
+            _flag("return_num_output_tokens", True),
+        ]
+        if logprobs:
+            inputs.append(_flag("return_logprobs", True))
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+
+        call = self.client.stream_infer(requests())
+        finished = False
+        try:
+            async for result, error in call:
+                if error is not None:
+                    finished = True  # an error response is the request's last
+                    raise classify_error(error.message() or str(error), self.invalid_fields)
+                output = self._output(result)
+                finished = output.final
+                yield output
+                if finished:
+                    return
+            raise TritonUnavailable(f"Triton at {self.url} ended the stream before the final response")
+        except grpc.RpcError as e:
+            finished = True
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+            raise TritonUnavailable(f"Triton at {self.url}: {code.name if code else ''} {e.details()}") from None
+        finally:
+            if finished:
+                # Let the server end the stream itself: a cancel racing that end crashes tritonserver 2.51
+                # (server PR #7840), and grpc.aio cancels calls that are garbage-collected unfinished.
+                task = asyncio.get_running_loop().create_task(_drain(call))
+                self._draining.add(task)
+                task.add_done_callback(self._draining.discard)
+            else:
+                call.cancel()
+
+    @staticmethod
+    def _output(result) -> ModelOutput:
+        response = result.get_response()
+        final = response.parameters["triton_final_response"].bool_param
+        text = _first(result, "text_output")
+        reason = _first(result, "finish_reason")
+        n_in = _first(result, "num_input_tokens")
+        n_out = _first(result, "num_output_tokens")
+        logprobs = _first(result, "logprobs")
+        return ModelOutput(
+            text=text.decode("utf-8") if text is not None else "",
+            final=final,
+            finish_reason=(reason.decode() or None) if reason is not None else None,
+            num_input_tokens=int(n_in) if n_in is not None else 0,
+            num_output_tokens=int(n_out) if n_out is not None else 0,
+            logprobs=json.loads(logprobs) if logprobs is not None else None,
+        )
+
+
+async def _drain(call) -> None:
+    with contextlib.suppress(StopAsyncIteration, grpc.RpcError, asyncio.TimeoutError, asyncio.CancelledError):
+        while True:
+            await asyncio.wait_for(call.__anext__(), timeout=30)
