@@ -1,4 +1,5 @@
-"""The `inflight` command. Subcommands: `serve` (a real tritonserver on the model repository).
+"""The `inflight` command. Subcommands: `serve` (a real tritonserver on the model repository, and the
+OpenAI-compatible API next to it), `openai` (the OpenAI-compatible API in front of a running Triton).
 
 Engine flags (`--max-num-seqs`, `--block-size`, ...) come from EngineConfig's fields, so every
 subcommand that builds an engine shares them: `add_engine_args(parser)` and `engine_args(namespace)`.
@@ -80,8 +81,38 @@ def _add_serve(sub) -> None:
     p.add_argument("--tritonserver", default=None, help="tritonserver binary (default: found automatically)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver's --log-verbose level")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other config.pbtxt parameter")
+    p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port (0 = off)")
+    p.add_argument("--openai-host", default="0.0.0.0", help="OpenAI-compatible API address")
     add_engine_args(p)
     p.set_defaults(func=_serve)
+
+
+def _add_openai(sub) -> None:
+    p = sub.add_parser(
+        "openai",
+        help="serve the OpenAI-compatible API in front of a running Triton (its gRPC port)",
+        description="/v1/models, /v1/completions and /v1/chat/completions over Triton's gRPC stream; Ctrl-C stops.",
+    )
+    p.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC endpoint, host:port")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--triton-model", default="llm", help="the Triton model to send requests to")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients name (default: --triton-model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory for the chat template and tokenizer (default: the Triton model's `model` "
+        "parameter, or the embedded demo model)",
+    )
+    p.set_defaults(func=_openai)
+
+
+def _openai(ns: argparse.Namespace) -> int:
+    from inflight.serving.openai.server import run
+
+    run(ns.triton_url, ns.port, ns.host, model=ns.triton_model, served_model_name=ns.served_model_name,
+        model_dir=ns.model)  # fmt: skip
+    return 0
 
 
 def _serve(ns: argparse.Namespace) -> int:
@@ -107,7 +138,7 @@ def _serve(ns: argparse.Namespace) -> int:
             log_verbose=ns.log_verbose,
             tritonserver=ns.tritonserver,
         )
-        return serve(server)
+        return serve(server, ns.openai_port, ns.openai_host, ns.model)
     except LauncherError as e:
         print(f"inflight serve: {e}", file=sys.stderr)
         return 1
@@ -117,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
+    _add_openai(sub)
     return parser
 
 

@@ -239,9 +239,14 @@ def _die_with_parent() -> None:
         pass
 
 
-def serve(server: TritonServer) -> int:
-    """Run in the foreground until the server exits or Ctrl-C / SIGTERM; return its exit code."""
+def serve(
+    server: TritonServer, openai_port: int = 0, openai_host: str = "0.0.0.0", model_dir: str | None = None
+) -> int:
+    """Run in the foreground until the server exits or Ctrl-C / SIGTERM; return its exit code.
+
+    openai_port: also serve the OpenAI-compatible API there (0 = not), a client of the server's gRPC port."""
     stop_requested = False
+    api = None
 
     def request_stop(signum, _frame) -> None:
         nonlocal stop_requested
@@ -256,14 +261,27 @@ def serve(server: TritonServer) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if openai_port:
+            from inflight.serving.openai import OpenAIServer
+
+            try:
+                api = OpenAIServer(server.grpc_url, openai_port, openai_host, model_dir=model_dir).start()
+            except RuntimeError as e:
+                raise LauncherError(str(e)) from None
+            print(f"inflight: OpenAI-compatible API on {api.url}/v1", file=sys.stderr, flush=True)
         while not stop_requested and server.process is not None and server.process.poll() is None:
             time.sleep(0.2)
         if stop_requested:
             print("inflight: stopping tritonserver ...", file=sys.stderr, flush=True)
+        if api is not None:  # first: its open streams are cancelled while Triton still runs
+            api.stop()
+            api = None
         code = server.stop()
         return 0 if stop_requested else (code or 0)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if api is not None:
+            api.stop()
         if server.process is not None and server.process.poll() is None:
             server.stop()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -36,6 +37,7 @@ from inflight.serving.openai.protocol import (
 from inflight.serving.openai.triton_stream import ModelError, ModelOutput, TritonLLM, TritonUnavailable
 
 T = TypeVar("T")
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|[A-Z]\w*)$")
 _JSON_SEPARATORS = (",", ":")
 
 
@@ -293,7 +295,11 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0]
-        loc = [p for p in first.get("loc", ()) if p != "body"]
+        loc = []
+        for part in first.get("loc", ())[1:]:  # after "body"
+            if isinstance(part, str) and _UNION_MEMBER.match(part):  # pydantic names the union member it tried
+                break
+            loc.append(part)
         if first.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None

@@ -1,0 +1,207 @@
+"""The OpenAI-compatible API with the official `openai` client, in front of the session's real tritonserver."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from e2e_util import ENGINE_ARGS, metric, scrape, settled, wait_for
+from helpers import PROMPTS
+
+from inflight import SamplingParams
+from inflight.launcher.server import free_port
+from inflight.serving.openai import OpenAIServer
+
+openai = pytest.importorskip("openai")
+
+MESSAGES = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "Tell me about the river"},
+]
+
+
+@pytest.fixture(scope="module")
+def api(server, demo_model_dir):
+    with OpenAIServer(server.grpc_url, port=0, host="127.0.0.1", model_dir=demo_model_dir) as srv:
+        yield srv
+
+
+@pytest.fixture()
+def oai(api):
+    return openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_models_lists_the_served_model(oai):
+    assert [m.id for m in oai.models.list().data] == ["llm"]
+
+
+def test_completion_matches_the_engine_and_the_stream(oai, offline_llm, hf_tokenizer):
+    prompt = PROMPTS[2]
+    expected = offline_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    kwargs = dict(model="llm", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    done = oai.completions.create(**kwargs)
+    assert done.choices[0].text == expected.text
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.prompt_tokens == len(hf_tokenizer(prompt).input_ids)
+    assert done.usage.completion_tokens == 12
+    assert done.usage.total_tokens == done.usage.prompt_tokens + 12
+
+    chunks = list(oai.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == expected.text
+    assert len([t for t in texts if t]) > 1  # really streamed
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == done.usage
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_chat_streams_what_it_returns_with_hf_prompt_tokens(oai, hf_tokenizer):
+    kwargs = dict(model="llm", messages=MESSAGES, max_completion_tokens=10, temperature=0)
+    done = oai.chat.completions.create(**kwargs)
+    message = done.choices[0].message
+    assert message.role == "assistant" and message.content
+    # The template rendered as HF renders it, and tokenized once (no doubled BOS).
+    hf_ids = hf_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)["input_ids"]
+    assert done.usage.prompt_tokens == len(hf_ids)
+    assert done.usage.completion_tokens == 10 or done.choices[0].finish_reason == "stop"
+
+    chunks = list(oai.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == done.choices[0].finish_reason
+    assert chunks[-1].usage == done.usage
+
+
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context(oai):
+    done = oai.chat.completions.create(model="llm", messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].finish_reason == "length"
+    assert done.usage.total_tokens == ENGINE_ARGS["max_model_len"]
+
+
+def test_stop_seed_and_sampling_fields(oai):
+    base = dict(model="llm", prompt=PROMPTS[0], max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    full = oai.completions.create(**base).choices[0].text
+    stop = full[len(full) // 2 :][:3]
+    cut = oai.completions.create(**base, stop=[stop]).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == full[: full.index(stop)]
+
+    sampled = dict(base, temperature=1.0, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.5)
+    sampled["extra_body"] = {"top_k": 20, "min_p": 0.01, "repetition_penalty": 1.1, "min_tokens": 4}
+    first, second = (oai.completions.create(**sampled).choices[0].text for _ in range(2))
+    assert first == second and first != full
+
+
+def test_logprobs_name_the_sampled_tokens(oai):
+    kwargs = dict(model="llm", max_tokens=8, temperature=1.0, seed=3, extra_body={"ignore_eos": True})
+    done = oai.chat.completions.create(**kwargs, messages=MESSAGES, logprobs=True, top_logprobs=3).choices[0]
+    content = done.logprobs.content
+    assert len(content) == 8
+    assert "".join(t.token for t in content) == done.message.content
+    assert all(len(t.top_logprobs) == 3 and t.logprob <= 0 for t in content)
+    assert any(t.top_logprobs[0].token != t.token for t in content)  # sampled, not always the argmax
+
+    text = oai.completions.create(**kwargs, prompt=PROMPTS[1], logprobs=2).choices[0]
+    assert "".join(text.logprobs.tokens) == text.text
+    assert text.logprobs.text_offset[0] == 0 and len(text.logprobs.top_logprobs) == 8
+
+
+def test_closed_stream_frees_its_kv_blocks(oai, server):
+    settled(server)
+    stream = oai.chat.completions.create(
+        model="llm", messages=MESSAGES, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
+    for _, _chunk in zip(range(4), stream):
+        pass
+    assert metric(scrape(server.metrics_url), "inflight_kv_blocks", state="used") > 0
+    stream.close()
+
+    def blocks_back():
+        samples = scrape(server.metrics_url)
+        return metric(samples, "inflight_kv_blocks", state="used") == 0
+
+    assert wait_for(blocks_back, timeout_s=10), "KV blocks still in use after the client closed the stream"
+    after = settled(server)
+    assert metric(after, "inflight_kv_blocks", state="free") == ENGINE_ARGS["num_kv_blocks"]
+    assert oai.completions.create(model="llm", prompt="Hello", max_tokens=2).choices[0].text
+
+
+def test_disconnect_during_a_non_streamed_request_cancels_it(api, server):
+    settled(server)
+    body = json.dumps({"model": "llm", "prompt": PROMPTS[4], "max_tokens": 400, "ignore_eos": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}"
+    with socket.create_connection(("127.0.0.1", api.port)) as sock:
+        sock.sendall(head.encode() + b"\r\n\r\n" + body)
+        running = lambda: metric(scrape(server.metrics_url), "inflight_kv_blocks", state="used") > 0  # noqa: E731
+        assert wait_for(running, timeout_s=30)
+    freed = lambda: metric(scrape(server.metrics_url), "inflight_kv_blocks", state="used") == 0  # noqa: E731
+    assert wait_for(freed, timeout_s=10), "KV blocks still in use after the client hung up"
+    assert metric(scrape(server.metrics_url), "inflight_requests", state="running") == 0
+
+
+BAD = {
+    "unknown model": ({"model": "gpt-4"}, "model"),
+    "n=3": ({"n": 3}, "n"),
+    "negative max_tokens": ({"max_tokens": -5}, "max_tokens"),
+    "negative max_completion_tokens": ({"max_completion_tokens": -5}, "max_completion_tokens"),
+    "message without role": ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    "message content not text": ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    "no messages": ({"messages": []}, "messages"),
+    "role the template rejects": ({"messages": [{"role": "tool", "content": "hi"}]}, "messages"),
+    "response_format of unknown type": ({"response_format": {"type": "xml"}}, "response_format.type"),
+    "json_schema without a schema": ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    "top_p out of range": ({"top_p": 1.5}, "top_p"),
+    "top_logprobs without logprobs": ({"top_logprobs": 2}, "top_logprobs"),
+    "top_logprobs too many": ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    "prompt longer than the context": ({"messages": [{"role": "user", "content": "river " * 600}]}, "messages"),
+    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_request_gets_400_naming_the_field(oai, case, stream):
+    change, param = BAD[case]
+    kwargs = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | change
+    known = {"model", "messages", "max_tokens", "max_completion_tokens", "n", "response_format", "top_p", "logprobs",
+             "top_logprobs", "tools"}  # fmt: skip
+    extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in known}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(**kwargs, stream=stream, extra_body=extra or None)
+    error = info.value.body
+    assert info.value.status_code == 400
+    assert error["param"] == param, error
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert oai.completions.create(model="llm", prompt="Hello", max_tokens=2).choices[0].text  # still serving
+
+
+def test_completion_rejects_prompt_batches_and_token_ids(oai):
+    for prompt in (["a", "b"], [1, 2, 3]):
+        with pytest.raises(openai.BadRequestError) as info:
+            oai.completions.create(model="llm", prompt=prompt, max_tokens=2)
+        assert info.value.body["param"] == "prompt"
+
+
+def test_malformed_json_body_is_a_400(api):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{api.url}/v1/completions", data=b'{"model": "llm", "prompt": ', method="POST")
+    request.add_header("Content-Type", "application/json")
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(request, timeout=10)
+    assert info.value.code == 400
+    assert json.loads(info.value.read())["error"]["type"] == "invalid_request_error"
+
+
+def test_triton_unavailable_is_a_503(demo_model_dir):
+    with OpenAIServer(f"localhost:{free_port()}", port=0, host="127.0.0.1", model_dir=demo_model_dir) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        for call in (
+            lambda: client.completions.create(model="llm", prompt="Hello", max_tokens=2),
+            lambda: client.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=2, stream=True),
+        ):
+            with pytest.raises(openai.APIStatusError) as info:
+                call()
+            assert info.value.status_code == 503
+            assert info.value.body["code"] == "service_unavailable"
