@@ -50,10 +50,10 @@ def test_bad_engine_parameter_fails_model_load_naming_it(tmp_path):
 
 
 def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-num-seqs", "2", "--num-kv-blocks", "16",
-           "--max-model-len", "128"]  # fmt: skip
+           "--max-model-len", "128", "--openai-port", str(api), "--openai-host", "127.0.0.1"]  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -68,6 +68,7 @@ def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
         from inflight_client import LLMClient
 
         assert LLMClient(f"localhost:{grpc}").generate("Hello", {"max_tokens": 4}).text
+        assert _openai_chat(f"http://127.0.0.1:{api}")
         started = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         assert proc.wait(timeout=30) == 0
@@ -76,5 +77,38 @@ def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
-    with pytest.raises(OSError):
-        urllib.request.urlopen(f"http://localhost:{http}/v2/health/live", timeout=2)
+    for url in (f"http://localhost:{http}/v2/health/live", f"http://127.0.0.1:{api}/v1/models"):
+        with pytest.raises(OSError):
+            urllib.request.urlopen(url, timeout=2)
+
+
+def _openai_chat(base_url: str) -> str:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Hello"}]
+    return client.chat.completions.create(model="llm", messages=messages, max_tokens=4).choices[0].message.content
+
+
+def test_inflight_openai_fronts_a_running_triton_and_stops_on_ctrl_c(server, tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "inflight.launcher.cli", "openai", "--triton-url", server.grpc_url,
+           "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+    log = open(tmp_path / "openai.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+
+        def listening() -> bool:
+            try:
+                return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+            except OSError:
+                return proc.poll() is not None
+
+        assert wait_for(listening, timeout_s=60, interval_s=0.2) and proc.poll() is None
+        assert _openai_chat(f"http://127.0.0.1:{port}")  # the template comes from Triton's `model` parameter
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

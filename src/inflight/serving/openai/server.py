@@ -3,6 +3,7 @@ or in the foreground (`inflight openai`)."""
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from pathlib import Path
@@ -80,6 +81,23 @@ class OpenAIServer:
         self.stop()
 
 
+class _Stopped(Exception):
+    pass
+
+
+def _stopped(signum, _frame) -> None:
+    raise _Stopped
+
+
 def run(triton_url: str, port: int = 9000, host: str = "0.0.0.0", **app_kwargs) -> None:
-    """Serve in the foreground until Ctrl-C / SIGTERM (uvicorn's own handlers)."""
-    uvicorn.Server(_config(triton_url, host, port, **app_kwargs)).run()
+    """Serve in the foreground until Ctrl-C / SIGTERM, then return."""
+    # uvicorn shuts down on the signal, restores the handlers it found and raises the signal again so
+    # that the process ends "by" it; with these handlers that ends here, as a clean stop.
+    previous = {s: signal.signal(s, _stopped) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn.Server(_config(triton_url, host, port, **app_kwargs)).run()
+    except _Stopped:
+        pass
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
