@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test serve lint bench bench-serving loadtest kernel-resources aiperf hostile
+.PHONY: install test serve lint bench bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -46,3 +46,11 @@ aiperf: install
 ## Hostile input (10 MB prompt, huge stop lists) against a server while a normal client measures TTFT.
 hostile: install
 	$(PY) -m loadtest.hostile_input $(HOSTILE_ARGS)
+
+AIPERF_OPENAI_VENV ?= .cache/aiperf-venv
+
+## Bounded AIPerf run (chat, streaming) against the OpenAI-compatible API of a server it starts; fails on any error.
+aiperf-openai: install
+	@[ -x $(AIPERF_OPENAI_VENV)/bin/aiperf ] || { python3 -m venv $(AIPERF_OPENAI_VENV) && \
+		$(AIPERF_OPENAI_VENV)/bin/pip install --quiet --disable-pip-version-check aiperf==0.13.0; }
+	AIPERF_VENV=$(AIPERF_OPENAI_VENV) $(PY) -m loadtest.aiperf_openai $(AIPERF_OPENAI_ARGS)

@@ -246,6 +246,7 @@ class _Run:
     async def events(self, first: ModelOutput, rest: AsyncIterator[ModelOutput]) -> AsyncIterator[bytes]:
         options = self.body.stream_options
         include_usage = options is not None and options.include_usage
+        every_chunk = include_usage and options.continuous_usage_stats  # vLLM's: cumulative usage on each chunk
         prompt_tokens = completion_tokens = 0
         offset = len(self.echo)
         try:
@@ -258,7 +259,8 @@ class _Run:
                 prompt_tokens = out.num_input_tokens or prompt_tokens
                 completion_tokens += out.num_output_tokens
                 if out.text or out.final:
-                    yield self._chunk([self._choice(out.text, out, offset, first=False)], None, include_usage)
+                    usage = _usage(prompt_tokens, completion_tokens) if every_chunk else None
+                    yield self._chunk([self._choice(out.text, out, offset, first=False)], usage, include_usage)
                 offset += len(out.text)
                 out = None if out.final else await anext(rest, None)
             if include_usage:
