@@ -205,3 +205,14 @@ def test_triton_unavailable_is_a_503(demo_model_dir):
                 call()
             assert info.value.status_code == 503
             assert info.value.body["code"] == "service_unavailable"
+
+
+def test_echo_and_per_chunk_usage(oai):
+    kwargs = dict(model="llm", prompt=PROMPTS[3], max_tokens=5, temperature=0, echo=True)
+    done = oai.completions.create(**kwargs).choices[0].text
+    assert done.startswith(PROMPTS[3]) and len(done) > len(PROMPTS[3])
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(oai.completions.create(**kwargs, stream=True, stream_options=options))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == done
+    counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text and c.usage]
+    assert counts == sorted(counts) and counts[-1] == 5  # cumulative on every chunk with text
