@@ -216,3 +216,38 @@ def test_echo_and_per_chunk_usage(oai):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == done
     counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].text and c.usage]
     assert counts == sorted(counts) and counts[-1] == 5  # cumulative on every chunk with text
+
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_response_format_constrains_the_output(oai):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    for seed in range(3):
+        kwargs = dict(model="llm", messages=MESSAGES, max_tokens=150, temperature=1.0, seed=seed)
+        done = oai.chat.completions.create(**kwargs, response_format=schema_format).choices[0]
+        assert done.finish_reason == "stop", done.message.content
+        jsonschema.validate(json.loads(done.message.content), PERSON)
+    free = oai.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert not free.choices[0].message.content.startswith("{")
+    as_json = oai.chat.completions.create(
+        model="llm", messages=MESSAGES, max_tokens=8, temperature=0, response_format={"type": "json_object"}
+    )
+    assert as_json.choices[0].message.content.startswith("{")
+
+
+def test_response_format_the_grammar_engine_rejects_is_a_400(oai):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=4, response_format=bad)
+    assert info.value.body["param"] == "response_format"
+    assert "nonsense" in info.value.body["message"]

@@ -52,7 +52,7 @@ class ModelOutput:
 # "prompt has 600 tokens; ...", "sampling_parameters has unknown key 'x'; ...".
 _REQUEST_ID = re.compile(r"^\[request id: [^\]]*\]\s*")
 _UNKNOWN_KEY = re.compile(r"^sampling_parameters has unknown key '(\w+)'")
-_LEADING_FIELD = re.compile(r"^(\w+)(?:=| is | has | must | \(| token id)")
+_LEADING_FIELD = re.compile(r"^(\w+)(?:\.\w+)*[=\s]")  # "top_p=2 ...", "structured_outputs.json cannot ..."
 _UNAVAILABLE = ("shutting down", "unavailable", "is not ready", "unknown model", "is not found")
 
 
