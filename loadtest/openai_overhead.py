@@ -1,8 +1,13 @@
 """What the OpenAI port costs: the same requests through `/v1/completions` (SSE) and straight over Triton's
-gRPC stream, against one tritonserver, alternating A/B rounds in one run.
+gRPC stream, against one tritonserver, in one run.
 
-    python -m loadtest.openai_overhead                      # demo model, ~2 minutes on 2 cores
-    python -m loadtest.openai_overhead --requests 128 --concurrency 32 --rounds 3
+    python -m loadtest.openai_overhead                      # demo model, ~3 minutes on 2 cores
+    python -m loadtest.openai_overhead --requests 128 --concurrency 32 --rounds 6
+
+Under load: A/B rounds (gRPC, then OpenAI, `--rounds` times) of `--requests` at `--concurrency`.
+One at a time: request pairs (the same prompt through both, the order alternating), so that both sides of
+a pair see the same machine; TTFT overhead is reported as the difference of the p50s and as the median of
+the paired differences.
 
 The API runs in its own process (`inflight openai`), as `inflight serve` runs it beside tritonserver. Both
 clients are asyncio clients in this process doing the least work per chunk (the gRPC one is the same thin
@@ -33,11 +38,11 @@ _WORDS = "the model runs fast while a city of light sings under the mountain and
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--requests", type=int, default=64, help="requests per loaded run")
+    p.add_argument("--requests", type=int, default=48, help="requests per loaded run")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--output-tokens", type=int, default=48)
-    p.add_argument("--sequential-requests", type=int, default=24, help="requests one at a time, per run")
-    p.add_argument("--rounds", type=int, default=2, help="A/B rounds (gRPC then OpenAI, each round)")
+    p.add_argument("--sequential-pairs", type=int, default=60, help="request pairs one at a time")
+    p.add_argument("--rounds", type=int, default=4, help="loaded A/B rounds (gRPC then OpenAI, each round)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/openai_overhead.json"))
     return p.parse_args(argv)
 
@@ -76,29 +81,40 @@ async def _openai_one(client, url: str, prompt: str, params: dict, t0: float) ->
     return ttft, tokens
 
 
-async def run_load(kind: str, grpc_url: str, api_url: str, texts: list[str], params: dict, concurrency: int) -> dict:
-    import httpx2
+class Clients:
+    """One gRPC client and one HTTP client (a pool of kept-alive connections) for the whole run, as a
+    long-lived application would hold them; both live in one event loop."""
 
-    from inflight.serving.openai.triton_stream import TritonLLM
+    def __init__(self, grpc_url: str, api_url: str, concurrency: int) -> None:
+        import httpx2
 
-    llm = TritonLLM(grpc_url)
-    client = httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=concurrency))
+        from inflight.serving.openai.triton_stream import TritonLLM
+
+        self.llm = TritonLLM(grpc_url)
+        self.http = httpx2.AsyncClient(timeout=600, limits=httpx2.Limits(max_connections=concurrency))
+        self.completions_url = f"{api_url}/v1/completions"
+
+    async def one(self, kind: str, prompt: str, params: dict) -> tuple[float | None, int]:
+        t0 = time.perf_counter()
+        if kind == "grpc":
+            return await _grpc_one(self.llm, prompt, params, t0)
+        return await _openai_one(self.http, self.completions_url, prompt, params, t0)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+        await self.llm.close()
+
+
+async def run_load(clients: Clients, kind: str, texts: list[str], params: dict, concurrency: int) -> dict:
     gate = asyncio.Semaphore(concurrency)
 
     async def one(prompt: str) -> tuple[float | None, int]:
         async with gate:
-            t0 = time.perf_counter()
-            if kind == "grpc":
-                return await _grpc_one(llm, prompt, params, t0)
-            return await _openai_one(client, f"{api_url}/v1/completions", prompt, params, t0)
+            return await clients.one(kind, prompt, params)
 
-    try:
-        start, cpu = time.perf_counter(), time.process_time()
-        results = await asyncio.gather(*(one(p) for p in texts))
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    finally:
-        await client.aclose()
-        await llm.close()
+    start, cpu = time.perf_counter(), time.process_time()
+    results = await asyncio.gather(*(one(p) for p in texts))
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(n for _, n in results)
     ttfts = [t for t, _ in results if t is not None]
     return {
@@ -115,26 +131,75 @@ def _p50_ms(values: list[float]) -> float:
     return 1000 * statistics.median(values)
 
 
-def summarize(runs: list[dict]) -> dict[str, Any]:
-    def pooled(kind: str, load: str) -> list[dict]:
-        return [r for r in runs if r["kind"] == kind and r["load"] == load]
-
-    summary: dict[str, Any] = {}
-    for load in ("loaded", "sequential"):
-        g, o = pooled("grpc", load), pooled("openai", load)
-        g_ttft = _p50_ms([t for r in g for t in r["ttfts_s"]])
-        o_ttft = _p50_ms([t for r in o for t in r["ttfts_s"]])
-        g_tps = statistics.mean(r["tokens_per_s"] for r in g)
-        o_tps = statistics.mean(r["tokens_per_s"] for r in o)
-        summary[load] = {
+def summarize(runs: list[dict], pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    grpc = [r for r in runs if r["kind"] == "grpc"]
+    oai = [r for r in runs if r["kind"] == "openai"]
+    g_tps = statistics.mean(r["tokens_per_s"] for r in grpc)
+    o_tps = statistics.mean(r["tokens_per_s"] for r in oai)
+    g_ttft = _p50_ms([t for r in grpc for t in r["ttfts_s"]])
+    o_ttft = _p50_ms([t for r in oai for t in r["ttfts_s"]])
+    seq_g, seq_o = _p50_ms([g for g, _ in pairs]), _p50_ms([o for _, o in pairs])
+    return {
+        "loaded": {
             "grpc_tokens_per_s": round(g_tps, 1),
             "openai_tokens_per_s": round(o_tps, 1),
             "throughput_ratio": round(o_tps / g_tps, 3),
+            "throughput_ratio_per_round": [round(o["tokens_per_s"] / g["tokens_per_s"], 3) for g, o in zip(grpc, oai)],
             "grpc_ttft_p50_ms": round(g_ttft, 2),
             "openai_ttft_p50_ms": round(o_ttft, 2),
             "ttft_overhead_p50_ms": round(o_ttft - g_ttft, 2),
-        }
-    return summary
+            "client_cpu_ms_per_token": {
+                "grpc": round(statistics.mean(r["client_cpu_ms_per_token"] for r in grpc), 3),
+                "openai": round(statistics.mean(r["client_cpu_ms_per_token"] for r in oai), 3),
+            },
+            "api_cpu_ms_per_token": round(statistics.mean(r["api_cpu_ms_per_token"] for r in oai), 3),
+        },
+        "one_at_a_time": {
+            "pairs": len(pairs),
+            "grpc_ttft_p50_ms": round(seq_g, 2),
+            "openai_ttft_p50_ms": round(seq_o, 2),
+            "ttft_overhead_p50_ms": round(seq_o - seq_g, 2),
+            "ttft_overhead_median_of_pairs_ms": round(_p50_ms([o - g for g, o in pairs]), 2),
+        },
+    }
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_pairs(clients: Clients, texts: list[str], params: dict) -> list[tuple[float, float]]:
+    """(gRPC TTFT, OpenAI TTFT) per prompt, one request at a time, the order alternating."""
+    pairs = []
+    for i, prompt in enumerate(texts):
+        ttft = {}
+        for kind in ("grpc", "openai") if i % 2 == 0 else ("openai", "grpc"):
+            ttft[kind], _ = await clients.one(kind, prompt, params)
+        pairs.append((ttft["grpc"], ttft["openai"]))
+    return pairs
+
+
+async def bench(args: argparse.Namespace, grpc_url: str, api_url: str, api_pid: int) -> tuple[list, list]:
+    loaded, sequential = prompts(args.requests, 0), prompts(args.sequential_pairs, 1)
+    params = sampling(args.output_tokens)
+    clients = Clients(grpc_url, api_url, args.concurrency)
+    runs: list[dict] = []
+    try:
+        for kind in ("grpc", "openai"):  # warm both paths: connections, the server's first shapes
+            await run_load(clients, kind, loaded[: args.concurrency], params, args.concurrency)
+        for rnd in range(args.rounds):
+            for kind in ("grpc", "openai"):
+                cpu = _cpu_s(api_pid)
+                run = await run_load(clients, kind, loaded, params, args.concurrency)
+                run |= {"round": rnd, "api_cpu_ms_per_token": 1000 * (_cpu_s(api_pid) - cpu) / run["output_tokens"]}
+                runs.append(run)
+                print(f"round {rnd} {kind:6s} {run['tokens_per_s']:7.1f} tok/s  "
+                      f"TTFT p50 {_p50_ms(run['ttfts_s']):7.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
+        pairs = await run_pairs(clients, sequential, params)
+    finally:
+        await clients.close()
+    return runs, pairs
 
 
 def wait_listening(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> None:
@@ -157,9 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     from inflight.launcher.server import TritonServer, free_port
 
     model = str(cached_demo_model())
-    loaded, sequential = prompts(args.requests, 0), prompts(args.sequential_requests, 1)
-    params = sampling(args.output_tokens)
-    runs: list[dict] = []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = args.out.with_suffix(".server.log")
     params_server = dict(SERVER_ARGS, model=model)
@@ -173,22 +235,14 @@ def main(argv: list[str] | None = None) -> int:
         api_url = f"http://127.0.0.1:{port}"
         try:
             wait_listening(api_url, api)
-            for kind in ("grpc", "openai"):  # warm both paths (connections, first compile of shapes)
-                asyncio.run(run_load(kind, srv.grpc_url, api_url, loaded[:8], params, 8))
-            for rnd in range(args.rounds):
-                for kind in ("grpc", "openai"):
-                    for load, texts, conc in (("loaded", loaded, args.concurrency), ("sequential", sequential, 1)):
-                        run = asyncio.run(run_load(kind, srv.grpc_url, api_url, texts, params, conc))
-                        run |= {"load": load, "round": rnd}
-                        runs.append(run)
-                        print(f"round {rnd} {kind:6s} {load:10s} {run['tokens_per_s']:7.1f} tok/s  "
-                              f"TTFT p50 {_p50_ms(run['ttfts_s']):7.2f} ms", file=sys.stderr, flush=True)  # fmt: skip
+            runs, pairs = asyncio.run(bench(args, srv.grpc_url, api_url, api.pid))
         finally:
             api.terminate()
             api.wait(timeout=30)
-    summary = summarize(runs)
+    summary = summarize(runs, pairs)
     setup = vars(args) | {"out": str(args.out), "server_args": SERVER_ARGS, "cpus": os.cpu_count()}
-    args.out.write_text(json.dumps({"setup": setup, "summary": summary, "runs": runs}, indent=2))
+    record = {"setup": setup, "summary": summary, "runs": runs, "pairs_ttft_s": pairs}
+    args.out.write_text(json.dumps(record, indent=2))
     print(json.dumps(summary, indent=2))
     return 0
 
