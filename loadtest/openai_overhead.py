@@ -112,7 +112,7 @@ async def run_load(clients: Clients, kind: str, texts: list[str], params: dict, 
         async with gate:
             return await clients.one(kind, prompt, params)
 
-    start, cpu = time.perf_counter(), time.process_time()
+    start, cpu, t0 = time.perf_counter(), time.process_time(), time.monotonic()
     results = await asyncio.gather(*(one(p) for p in texts))
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(n for _, n in results)
@@ -124,6 +124,7 @@ async def run_load(clients: Clients, kind: str, texts: list[str], params: dict, 
         "tokens_per_s": tokens / wall,
         "client_cpu_ms_per_token": 1000 * cpu / max(tokens, 1),
         "ttfts_s": ttfts,
+        "window": (t0, time.monotonic()),  # the engine's step log uses the same clock
     }
 
 
@@ -153,6 +154,11 @@ def summarize(runs: list[dict], pairs: list[tuple[float, float]]) -> dict[str, A
                 "openai": round(statistics.mean(r["client_cpu_ms_per_token"] for r in oai), 3),
             },
             "api_cpu_ms_per_token": round(statistics.mean(r["api_cpu_ms_per_token"] for r in oai), 3),
+            "engine": {
+                kind: {k: round(statistics.mean(r["engine"][k] for r in rs), 3) for k in rs[0]["engine"]}
+                for kind, rs in (("grpc", grpc), ("openai", oai))
+                if rs[0].get("engine")
+            },
         },
         "one_at_a_time": {
             "pairs": len(pairs),
@@ -161,6 +167,23 @@ def summarize(runs: list[dict], pairs: list[tuple[float, float]]) -> dict[str, A
             "ttft_overhead_p50_ms": round(seq_o - seq_g, 2),
             "ttft_overhead_median_of_pairs_ms": round(_p50_ms([o - g for g, o in pairs]), 2),
         },
+    }
+
+
+def engine_view(step_log: Path, window: tuple[float, float]) -> dict[str, float]:
+    """What the engine saw during a run: how full its batch was and how long its steps took."""
+    steps = []
+    for line in step_log.read_text().splitlines():
+        step = json.loads(line)
+        if window[0] <= step["time"] <= window[1]:
+            steps.append(step)
+    if not steps:
+        return {}
+    busy = sum(s["step_time_s"] for s in steps)
+    return {
+        "mean_running": round(statistics.mean(s["num_running"] for s in steps), 2),
+        "mean_step_ms": round(1000 * busy / len(steps), 2),
+        "engine_busy": round(busy / (window[1] - window[0]), 3),
     }
 
 
@@ -224,7 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     model = str(cached_demo_model())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = args.out.with_suffix(".server.log")
-    params_server = dict(SERVER_ARGS, model=model)
+    step_log = args.out.with_suffix(".steps.jsonl")
+    step_log.unlink(missing_ok=True)
+    params_server = dict(SERVER_ARGS, model=model, step_log=str(step_log))
     with TritonServer(parameters=params_server, http_port=0, grpc_port=0, metrics_port=0, log=log) as srv:
         srv.wait_ready()
         port = free_port()
@@ -239,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             api.terminate()
             api.wait(timeout=30)
+    for run in runs:
+        run["engine"] = engine_view(step_log, run["window"])
     summary = summarize(runs, pairs)
     setup = vars(args) | {"out": str(args.out), "server_args": SERVER_ARGS, "cpus": os.cpu_count()}
     record = {"setup": setup, "summary": summary, "runs": runs, "pairs_ttft_s": pairs}
