@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     model = str(cached_demo_model())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     log = args.out.with_suffix(".server.log")
-    step_log = args.out.with_suffix(".steps.jsonl")
+    step_log = args.out.resolve().with_suffix(".steps.jsonl")  # the server runs in its own directory
     step_log.unlink(missing_ok=True)
     params_server = dict(SERVER_ARGS, model=model, step_log=str(step_log))
     with TritonServer(parameters=params_server, http_port=0, grpc_port=0, metrics_port=0, log=log) as srv:
