@@ -100,3 +100,9 @@ def test_checkpoint_without_template_says_so(demo_model_dir, tmp_path):
     (model / "chat_template.jinja").write_text(PLAIN)  # HF's newer layout wins over tokenizer_config.json
     prompt = Checkpoint.load(model).chat_prompt([{"role": "user", "content": "x"}], True)
     assert prompt == "<user>\nx\n</user>\n<assistant>\n"
+
+
+def test_checkpoint_elsewhere_says_so(tmp_path):
+    checkpoint = Checkpoint.load(tmp_path / "on-another-host")
+    with pytest.raises(ChatTemplateError, match="not on this machine: start the API with --model"):
+        checkpoint.chat_prompt([{"role": "user", "content": "x"}], True)

@@ -26,6 +26,9 @@ class Checkpoint:
     def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> Checkpoint:
         """`max_model_len`: the engine's setting, if any; capped by the checkpoint's, as the engine does."""
         model_dir = Path(model_dir)
+        if not model_dir.is_dir():  # e.g. the Triton model's `model` path, on another host
+            error = f"the checkpoint directory {model_dir} is not on this machine: start the API with --model DIR"
+            return cls(model_dir, max_model_len, None, error, None)
         try:
             template, error = ChatTemplate.from_checkpoint(model_dir), None
         except ChatTemplateError as e:
