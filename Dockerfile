@@ -1,7 +1,7 @@
 # Production image: NVIDIA's Triton server (its own tritonserver, Python backend and CUDA) + this project,
 # installed by the same script `make install` and CI run.
 #   docker build -t inflight .
-#   docker run --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 inflight
+#   docker run --gpus all -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 inflight   # 9000: OpenAI API
 #   docker run ... inflight inflight serve --model /models/my-checkpoint --max-num-seqs 128
 # 24.12 or newer: older Python backends garble STRING tensors under numpy 2 (python_backend #384) and
 # the gRPC frontend can crash on stream cancellation (server #7840).
@@ -18,7 +18,7 @@ COPY . .
 RUN bash scripts/install.sh system \
  && python3 -c "from inflight.demo_model import cached_demo_model; cached_demo_model()"
 
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 # `inflight serve` finds /opt/tritonserver, serves a copy of model_repository/ (the demo model unless
 # --model is given) and stops tritonserver cleanly on SIGTERM (docker stop) or Ctrl-C.
-CMD ["inflight", "serve", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002"]
+CMD ["inflight", "serve", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002", "--openai-port", "9000"]

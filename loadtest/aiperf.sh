@@ -23,7 +23,7 @@ fi
 MODEL_DIR=$(.venv/bin/python -c "from inflight.demo_model import cached_demo_model; print(cached_demo_model())")
 HTTP_PORT=$(.venv/bin/python -c "from inflight.launcher.server import free_port; print(free_port())")
 export OMP_WAIT_POLICY=PASSIVE
-.venv/bin/inflight serve --http-port "$HTTP_PORT" --grpc-port 0 --metrics-port 0 --max-num-seqs 32 \
+.venv/bin/inflight serve --http-port "$HTTP_PORT" --grpc-port 0 --metrics-port 0 --openai-port 0 --max-num-seqs 32 \
   > "$OUT/tritonserver.log" 2>&1 &
 SERVER=$!
 trap 'kill -INT $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
