@@ -113,7 +113,8 @@ def test_closed_stream_frees_its_kv_blocks(oai, server):
     )
     for _, _chunk in zip(range(4), stream):
         pass
-    assert metric(scrape(server.metrics_url), "inflight_kv_blocks", state="used") > 0
+    in_use = lambda: metric(scrape(server.metrics_url), "inflight_kv_blocks", state="used") > 0  # noqa: E731
+    assert wait_for(in_use, timeout_s=5)  # metrics are published every 0.5 s
     stream.close()
 
     def blocks_back():
