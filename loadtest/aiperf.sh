@@ -41,4 +41,4 @@ done
   --synthetic-input-tokens-mean 128 --synthetic-input-tokens-stddev 32 \
   --output-tokens-mean 128 --output-tokens-stddev 32 \
   --concurrency "$CONCURRENCY" --request-count "$REQUESTS" --warmup-request-count 4 \
-  --artifact-dir "$OUT" "$@"
+  --artifact-dir "$OUT" --ui-type simple --no-server-metrics "$@"
