@@ -24,6 +24,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", type=Path, default=Path("loadtest/results/vllm_cpu.json"))
     return p.parse_args(argv)
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> dict:
     trace = make_trace(spec, vocab)
     llm = LLM(
         model=str(args.model_dir),
-        dtype="float32",
+        dtype=args.dtype,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.prompt_len[1] + args.output_len[1],
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         ttft_s=[],  # offline generate() returns whole requests; no per-request timing comparable to ours
         latency_s=[],
         max_num_seqs=args.max_num_seqs,
-        note="vLLM CPU, offline LLM.generate, all requests at t = 0",
+        note=f"vLLM CPU, {args.dtype}, offline LLM.generate, all requests at t = 0",
     )
     summary = summarize(run) | {"trace": {"num_requests": len(trace), "seed": args.seed}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
