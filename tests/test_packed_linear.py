@@ -31,3 +31,17 @@ def test_packed_model_matches_unpacked_bitwise(demo_model_dir):
 def test_fp32_is_left_alone(demo_model_dir):
     model, _ = load_model(demo_model_dir, torch.float32, "cpu")
     assert pack_linears(model) == 0 and not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_tied_lm_head_is_not_packed(tmp_path):
+    """Packing a tied lm_head would hold a second, reordered copy of the embedding (vocab x hidden)."""
+    transformers = pytest.importorskip("transformers")
+    from test_loader import make_checkpoint
+
+    make_checkpoint(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True)
+    assert transformers  # the checkpoint is written by HF itself
+    model, _ = load_model(tmp_path, torch.bfloat16, "cpu")
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        pytest.skip("this torch build or CPU has no oneDNN bf16")
+    assert isinstance(model.lm_head, nn.Linear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -36,6 +36,7 @@ log = logging.getLogger("inflight.engine.structured_output")
 # compile itself cannot be interrupted; its result still lands in the cache).
 COMPILE_TIMEOUT_S = 60.0
 _CACHE_ENTRIES = 256
+GRAMMAR_CACHE_BYTES = 256 << 20  # xgrammar's own compiled-grammar cache (vLLM's default bound)
 
 
 class GrammarCompileError(Exception):
@@ -53,7 +54,8 @@ class StructuredRequest:
 
     @property
     def is_ready(self) -> bool:
-        return self.matcher is not None or (self.future.done() and self.future.exception() is None)
+        f = self.future
+        return self.matcher is not None or (f.done() and not f.cancelled() and f.exception() is None)
 
     @property
     def allowed_words(self) -> torch.Tensor | None:
@@ -62,12 +64,16 @@ class StructuredRequest:
 
     def error(self) -> str | None:
         """Why this request cannot run, once that is known; None while compiling or when ready."""
+        timeout = f"structured_outputs.{self.params.kind}: grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s"
+        if self.future.cancelled():
+            return timeout
         if self.future.done():
             exc = self.future.exception()
             return None if exc is None else str(exc)
         waited = time.monotonic() - self.submitted
         if waited > COMPILE_TIMEOUT_S:
-            return f"structured_outputs.{self.params.kind}: grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s"
+            self.future.cancel()  # a compile still queued is dropped; one running finishes unused
+            return timeout
         return None
 
     def get_matcher(self) -> xgrammar.GrammarMatcher:
@@ -170,6 +176,11 @@ class StructuredOutputManager:
             err = seq.structured.error()
             if err is not None:
                 failed.append((seq, err))
+                if not seq.structured.future.done() or seq.structured.future.cancelled():
+                    # A timeout is not a verdict on the grammar: a later request compiles it afresh.
+                    key = seq.structured.params.key
+                    if self._cache.get(key) is seq.structured.future:
+                        del self._cache[key]
             elif not seq.structured.future.done():
                 still.append(seq)
         self._pending = still
@@ -261,7 +272,12 @@ def _make_compiler(
         stop_token_ids=stop_token_ids,
         add_prefix_space=detected.add_prefix_space,
     )
-    return xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1))), info
+    # Bounded: by default xgrammar caches every grammar it ever compiled, so distinct user schemas would grow
+    # memory without limit (our own constraint-keyed cache above it is bounded by entries).
+    compiler = xgr.GrammarCompiler(
+        info, max_threads=max(1, min(8, os.cpu_count() or 1)), cache_limit_bytes=GRAMMAR_CACHE_BYTES
+    )
+    return compiler, info
 
 
 def _json_allowed_words(decoded_vocab: list[bytes], vocab_size: int) -> dict[bool, torch.Tensor]:
@@ -272,9 +288,11 @@ def _json_allowed_words(decoded_vocab: list[bytes], vocab_size: int) -> dict[boo
     (mlc-ai/xgrammar#800, fix pending in #880):
     a random-weight model emits them and `json.loads` rejects the output. JSON never needs a raw byte
     below 0x20 other than whitespace between tokens, so tokens holding one are masked for JSON
-    constraints; with disable_any_whitespace there is no free whitespace, so tab/newline/CR go too.
+    constraints; with disable_any_whitespace there is no free whitespace, so newline/CR go too. Tab is
+    masked in both modes: the string class admits it (a raw tab inside a string is invalid JSON), and
+    spaces and newlines remain for whitespace between tokens.
     """
-    ws = {9, 10, 13}
+    ws = {10, 13}
     forbid = {False: [], True: []}
     for i, text in enumerate(decoded_vocab[:vocab_size]):
         controls = {b for b in text if b < 0x20}

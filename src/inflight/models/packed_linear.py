@@ -29,13 +29,17 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Swap every CPU bf16 `nn.Linear` of `model` for a `PackedLinear`; returns how many (0 if unsupported)."""
+def pack_linears(model: nn.Module, skip: set[nn.Module] | frozenset = frozenset()) -> int:
+    """Swap every CPU bf16 `nn.Linear` of `model` (but those in `skip`) for a `PackedLinear`; returns how
+    many (0 if unsupported)."""
     linears = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
+        if isinstance(child, nn.Linear)
+        and child not in skip
+        and child.weight.dtype == torch.bfloat16
+        and child.weight.device.type == "cpu"
     ]
     if not linears or not _supported(linears[0][2]):
         return 0

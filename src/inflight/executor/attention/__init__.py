@@ -9,15 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from inflight.executor.attention.metadata import AttentionMetadata
 from inflight.executor.attention.torch_backend import TorchBackend
 
 __all__ = ["AttentionMetadata", "TorchBackend", "get_backend"]
 
 
-def get_backend(name: str) -> Any:
+def get_backend(name: str, device: torch.device | None = None) -> Any:
     if name == "torch":
-        return TorchBackend(native=True)
+        # The C++ decode op is CPU code: building it (gcc, tens of seconds) on a GPU host would buy nothing.
+        return TorchBackend(native=device is None or device.type == "cpu")
     if name == "triton":
         from inflight.executor.attention.triton_backend import TritonBackend
 
