@@ -13,7 +13,7 @@ shift 2 || shift $# || true
 OUT=loadtest/results/aiperf
 mkdir -p "$OUT"
 
-if [ ! -x "$VENV/bin/aiperf-installed" ]; then
+if [ ! -f "$VENV/bin/aiperf-installed" ]; then
   python3 -m venv "$VENV"
   "$VENV/bin/pip" install --quiet --upgrade pip
   "$VENV/bin/pip" install --quiet aiperf==0.13.0

@@ -121,3 +121,18 @@ def test_limits_are_named_in_the_message(client):
     with pytest.raises(InferenceError) as info:
         client.generate("Hello", {"top_p": 1.5})
     assert "1.5" in info.value.message and "(0, 1]" in info.value.message
+
+
+def test_the_model_repository_api_is_closed_to_clients(server, client):
+    # Explicit model control (for the self-unload of a broken engine) also opens load/unload over HTTP and
+    # gRPC; without the launch's secret header a client can neither unload nor replace the model.
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{server.http_url}/v2/repository/models/llm/unload", data=b"{}", method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code in (401, 403)
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/llm/ready", timeout=30) as ready:
+        assert ready.status == 200
+    assert client.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 2}).text

@@ -174,7 +174,10 @@ def test_submit_racing_stop_is_still_answered(engine):
 
 def test_a_broken_engine_is_reported_once(demo_model_dir):
     class Unrecoverable(FlakyEngine):
+        steps = 0
+
         def step(self):
+            Unrecoverable.steps += 1
             raise RuntimeError("device lost")
 
     engine = Unrecoverable(demo_model_dir, EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256))
@@ -187,8 +190,32 @@ def test_a_broken_engine_is_reported_once(demo_model_dir):
         late = submit(loop)
         assert late.done.wait(10) and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
         assert len(reasons) == 1 and "device lost" in reasons[0]
+        steps = Unrecoverable.steps
+        time.sleep(0.3)
+        assert Unrecoverable.steps == steps, "a broken engine keeps being stepped (the loop spins)"
     finally:
         loop.stop(timeout_s=10)
+
+
+def test_a_bug_while_delivering_fails_those_requests_and_the_responder_lives_on(engine, monkeypatch):
+    send = EngineLoop._send
+    calls = []
+
+    def send_that_breaks_once(self, route, out):
+        calls.append(out)
+        if len(calls) == 1:
+            raise RuntimeError("injected responder bug")
+        send(self, route, out)
+
+    monkeypatch.setattr(EngineLoop, "_send", send_that_breaks_once)
+    loop = EngineLoop(engine).start()
+    try:
+        first = submit(loop)
+        assert first.done.wait(30) and first.error is not None and first.error[0] is ErrorKind.INTERNAL
+        second = submit(loop)
+        assert second.done.wait(30) and second.error is None and second.text
+    finally:
+        assert loop.stop(timeout_s=10)
 
 
 def _wait(condition, timeout_s: float = 10.0) -> bool:

@@ -57,8 +57,8 @@ def test_second_client_with_a_shared_prefix_is_served_from_the_cache(client, ser
     assert prefix_len - 2 * block < second_cached <= prefix_len  # whole blocks of the shared prefix
     assert [first_text, second_text] == expected
 
-    for name in ("inflight_prefix_cache_hits_total", "vllm:prefix_cache_hits"):
+    for name in ("inflight_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
         assert metric(after, name) - metric(before, name) == second_cached, name
-    for name in ("inflight_prefix_cache_queries_total", "vllm:prefix_cache_queries"):
+    for name in ("inflight_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"):
         assert metric(after, name) - metric(before, name) >= 2 * prefix_len, name
     assert metric(after, "inflight_kv_blocks", state="cached") > 0

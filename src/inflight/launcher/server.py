@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -29,6 +30,7 @@ from inflight.launcher.triton_dist import LauncherError, find_server, prepare_ba
 __all__ = ["LauncherError", "TritonServer", "free_port", "serve", "write_model_repository"]
 
 MODEL_NAME = "llm"
+_REPOSITORY_KEY = "inflight-repository-key"
 
 
 def default_model_repository() -> Path:
@@ -107,6 +109,7 @@ class TritonServer:
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args or [])
+        self._repository_secret = secrets.token_hex(16)
         self.dist = find_server(tritonserver)
         self.process: subprocess.Popen | None = None
         self.run_dir: Path | None = None
@@ -137,6 +140,10 @@ class TritonServer:
             # which is how it reports not ready (serving/triton_model.py).
             "--model-control-mode=explicit",
             "--load-model=*",
+            # ...but explicit mode also opens the model-repository API (load/unload, even model file overrides)
+            # to anyone who reaches the ports: restrict it to a header only this launch knows.
+            f"--http-restricted-api=model-repository:{_REPOSITORY_KEY}={self._repository_secret}",
+            f"--grpc-restricted-protocol=model-repository:{_REPOSITORY_KEY}={self._repository_secret}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             *self.extra_args,

@@ -151,8 +151,10 @@ class EngineLoop:
 
     def _run(self) -> None:
         try:
-            while self._admit(block=not self.engine.has_unfinished_requests()):
-                if self.engine.has_unfinished_requests():
+            # Once broken, every request was failed and new ones are refused: wait for work, never spin on
+            # a step that raises again.
+            while self._admit(block=self._broken is not None or not self.engine.has_unfinished_requests()):
+                if self._broken is None and self.engine.has_unfinished_requests():
                     self._step()
                 self._snapshot = self.engine.snapshot()  # an immutable record; the responder publishes it
         except BaseException:  # a bug in the loop itself: nobody may be left waiting
@@ -287,7 +289,17 @@ class EngineLoop:
                     break
             if batch and batch[-1] is _STOP:
                 running = False
-            self._deliver([item for item in batch if item is not _STOP])
+            items = [item for item in batch if item is not _STOP]
+            try:
+                self._deliver(items)
+            except Exception:  # a bug here must not end the thread that answers everyone
+                log.error("delivering responses failed:\n%s", traceback.format_exc())
+                for route, item in items:
+                    if not route.ended:
+                        route.ended = True
+                        if isinstance(item, RequestOutput) and not item.finished:
+                            self._inbox.put(_Abort(item.request_id))
+                        _safe(route.client.on_error, ErrorKind.INTERNAL, "sending a response failed; see the log")
             now = time.monotonic()
             if now >= next_cancel_check:
                 self._check_cancelled()

@@ -60,10 +60,10 @@ class TritonMetrics:
             "inflight_prefix_cache_hits_total", "Prompt tokens served from the prefix cache", counter
         )
         self.vllm_prefix_cache_queries = make(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens", counter
+            "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens", counter
         )
         self.vllm_prefix_cache_hits = make(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens", counter
+            "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens", counter
         )
         self.ttft = make(
             "inflight_time_to_first_token_seconds", "Request arrival to first text sent", histogram, None, TTFT_BUCKETS
