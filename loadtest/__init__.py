@@ -1,8 +1,6 @@
 """Load tests and offline benchmarks: the batching benchmark, HF baselines, serving overhead, Locust."""
 
-import os
-
-# OpenMP threads that spin at barriers collapse (10-40x slower, measured) when another process shares
-# the cores; passive waiting costs little alone and keeps figures meaningful on a shared machine. Only
-# effective when set before torch loads, which is the case for `python -m loadtest.<tool>`.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenMP's wait policy is left to libgomp's default (spin briefly at a barrier, then sleep): on a quiet
+# machine it is 1.5-2x faster per decode step than OMP_WAIT_POLICY=PASSIVE, whose threads sleep after every
+# op and pay a wake-up at the next (docs/PERFORMANCE.md). On a machine shared with other work, run with
+# OMP_WAIT_POLICY=PASSIVE: spinning threads that lose their core collapse instead.

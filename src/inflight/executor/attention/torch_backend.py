@@ -6,7 +6,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inflight.executor.attention import cpu_paged_attention
+from inflight.executor.attention import cpu_ops
 from inflight.executor.attention.metadata import AttentionMetadata
 
 
@@ -21,8 +21,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, native: bool = False) -> None:
-        # native: decode attention through the C++ paged op on CPU (when it builds); False = the reference.
-        self.native = native and cpu_paged_attention.load() is not None
+        # native: the C++ ops of `cpu_ops` for CPU tensors (when they build); False = the plain-torch reference.
+        self.native = native and cpu_ops.load() is not None
         self._rope_step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def write_kv(
@@ -33,6 +33,9 @@ class TorchBackend:
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T], every slot >= 0 (the runner asserts it on the host)
     ) -> None:
+        if self.native and key.device.type == "cpu":
+            cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            return
         # No filtering of negative slots here: a mask test would sync host and device every layer on CUDA.
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
         flat_v = v_cache.view(-1, *v_cache.shape[2:])
@@ -56,12 +59,12 @@ class TorchBackend:
             plan = meta.cache[plan_key] = _plan(meta, k_cache.shape[1], query.device, native)
         decode, prefill = plan
         if native and decode is not None and not prefill and decode[0] is None:
-            return cpu_paged_attention.paged_decode_attention(query, k_cache, v_cache, *decode[1:], scale)
+            return cpu_ops.paged_decode_attention(query, k_cache, v_cache, *decode[1:], scale)
         out = torch.empty_like(query)
         if native and decode is not None:
             tokens, blocks, lens = decode
             q = query[tokens]
-            out[tokens] = cpu_paged_attention.paged_decode_attention(q, k_cache, v_cache, blocks, lens, scale)
+            out[tokens] = cpu_ops.paged_decode_attention(q, k_cache, v_cache, blocks, lens, scale)
         elif decode is not None:
             for tokens, blocks, lens in decode:
                 out[tokens] = _decode_attention(query[tokens], k_cache, v_cache, blocks, lens, scale)
@@ -74,6 +77,8 @@ class TorchBackend:
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if self.native and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1:
+            return cpu_ops.rms_norm(x, weight, eps)
         if x.dtype == torch.float32:  # one fused op, bit-identical to the HF steps below in fp32
             return F.rms_norm(x, (x.shape[-1],), weight, eps)
         # HF's order in half precision: normalise in fp32, round to the activations' dtype, then scale.
@@ -84,7 +89,10 @@ class TorchBackend:
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (rms_norm(x + residual), x + residual) — the new residual stream."""
+        """Returns (rms_norm(x + residual), x + residual) — the new residual stream. The native op works in
+        place on x and residual (the caller's own activations, never read again)."""
+        if self.native and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
+            return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
@@ -100,6 +108,8 @@ class TorchBackend:
         Like HF, cos/sin are cast to the activations' dtype before the multiply. Every layer of a step
         passes the same `positions` tensor, so the per-token tables are built once per step, not per layer.
         """
+        if self.native and query.device.type == "cpu":  # in place, like the Triton kernel
+            return cpu_ops.rope(query, key, positions, *cos_sin_cache)
         step = self._rope_step
         if step is None or step[0] is not positions or step[1].dtype != query.dtype:
             cos, sin = rope_cos_sin(positions, cos_sin_cache)
@@ -114,6 +124,14 @@ class TorchBackend:
             return torch.addcmul(x * cos, swapped, sin)
 
         return rotate(query), rotate(key)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate, up halves of the fused projection) -> silu(gate) * up, [T, I]."""
+        if self.native and x.device.type == "cpu" and x.stride(-1) == 1:
+            return cpu_ops.silu_and_mul(x)
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        # Out of place: measured faster than an in-place mul_ into the strided half.
+        return F.silu(gate) * up
 
 
 # Decode rows are gathered padded to their bucket's longest context; sorting by length and cutting into

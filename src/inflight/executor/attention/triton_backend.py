@@ -64,6 +64,11 @@ class TritonBackend:
         cos, sin = cos_sin_cache
         return rotary_embedding(query, key, positions, cos, sin)
 
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate, up halves of the fused projection) -> silu(gate) * up, [T, I]."""
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
     @staticmethod
     def _plan(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, device: torch.device) -> AttentionPlan:
         key = f"triton_plan:{num_q_heads}:{num_kv_heads}"

@@ -1,0 +1,173 @@
+"""The C++ CPU ops of TorchBackend against its plain-torch reference (and HF's rounding points in bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_batches import batch_kinds, make_batch
+
+from inflight.executor.attention import TorchBackend, cpu_ops
+
+# fp32: both sum the same products in fp32, in different orders. bf16: the inputs are identical bf16
+# values and both compute in fp32; only the output's rounding to bf16 (8 bits of mantissa: a relative
+# step of 2**-8 = 0.0039) can differ by one ulp, so one bf16 step is the bound.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8}
+
+needs_op = pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler to build the ops")
+
+
+@needs_op
+@pytest.mark.parametrize(
+    ("kind", "hq", "hkv", "head_dim", "block_size", "dtype"),
+    [
+        ("decode", 8, 4, 32, 16, torch.float32),  # the demo model's geometry
+        ("decode", 16, 2, 128, 16, torch.bfloat16),
+        ("mixed", 8, 2, 64, 32, torch.float32),  # decode rows picked out of a mixed batch
+        ("mixed", 4, 4, 64, 16, torch.bfloat16),
+        ("chunk_after_prefix", 8, 4, 64, 16, torch.float32),  # cached prefixes: the gather path
+        ("decode", 6, 2, 48, 16, torch.float32),  # a head size without a compiled-in specialization
+        ("decode", 8, 1, 64, 16, torch.bfloat16),  # MQA: one KV head, nothing to split across threads
+    ],
+)
+def test_native_matches_reference(kind, hq, hkv, head_dim, block_size, dtype):
+    # Random (not NaN) garbage: the reference's padded gather multiplies masked rows by 0, and 0 * NaN = NaN.
+    batch = make_batch(batch_kinds(block_size)[kind], hq, hkv, head_dim, block_size, dtype, garbage=None)
+    scale = head_dim**-0.5
+    native = TorchBackend(native=True)
+    assert native.native
+    ref = TorchBackend(native=False).attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata(), scale)
+    meta = batch.metadata()
+    out = native.attention(batch.query, batch.k_cache, batch.v_cache, meta, scale, key=batch.key, value=batch.value)
+    again = native.attention(batch.query, batch.k_cache, batch.v_cache, meta, scale, key=batch.key, value=batch.value)
+    assert torch.equal(out, again)  # the next layer reuses the step's plan
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    # The op reads nothing outside each context: NaN everywhere else leaves its rows finite.
+    poisoned = make_batch(batch_kinds(block_size)[kind], hq, hkv, head_dim, block_size, dtype)
+    rows = torch.from_numpy(poisoned.query_start_loc_np[1:][poisoned.seq_lens_np > 0] - 1).long()
+    decode_rows = rows[torch.from_numpy(poisoned.metadata().query_lens_np == 1)]
+    out = TorchBackend(native=True).attention(
+        poisoned.query,
+        poisoned.k_cache,
+        poisoned.v_cache,
+        poisoned.metadata(),
+        scale,
+        key=poisoned.key,
+        value=poisoned.value,
+    )
+    assert not out[decode_rows].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompts_attend_to_their_own_kv_without_the_cache(dtype):
+    """seq_len == query length: the fast path reads key/value, never the cache (here: NaN-poisoned)."""
+    batch = make_batch(batch_kinds(16)["prefill"], 8, 4, 32, 16, dtype)
+    ref = TorchBackend().attention(batch.query, batch.k_cache, batch.v_cache, batch.metadata(), 32**-0.5)
+    poisoned = torch.full_like(batch.k_cache, float("nan"))
+    out = TorchBackend().attention(
+        batch.query, poisoned, poisoned, batch.metadata(), 32**-0.5, key=batch.key, value=batch.value
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2**-7  # bf16: SDPA in bf16 vs the reference's fp32 (2 ulps)
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_do_not_depend_on_their_batch(dtype):
+    """A sequence's attention is bit for bit the same alone and in a batch (the op splits work differently)."""
+    batch = make_batch(batch_kinds(16)["decode"], 8, 4, 64, 16, dtype, garbage=None)
+    meta = batch.metadata()
+    full = cpu_ops.paged_decode_attention(
+        batch.query, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, 0.125
+    )
+    for row in range(batch.query.shape[0]):
+        alone = cpu_ops.paged_decode_attention(
+            batch.query[row : row + 1],
+            batch.k_cache,
+            batch.v_cache,
+            meta.block_tables[row : row + 1],
+            meta.seq_lens[row : row + 1],
+            0.125,
+        )
+        assert torch.equal(alone[0], full[row])
+
+
+def _bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """One bf16 rounding step at x's magnitude: the most two roundings of the same value can differ by."""
+    return x.float().abs() * 2**-7 + 1e-6
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 300])  # 300 rows: split across threads
+def test_norms_and_silu_match_the_reference(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    hidden, inter = 96, 160
+    x = torch.randn(rows, hidden, generator=gen).to(dtype)
+    residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+    gate_up = (3 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype)
+    ref, nat = TorchBackend(native=False), TorchBackend(native=True)
+
+    def close(got, want, steps=1):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert ((got.float() - want.float()).abs() <= steps * _bf16_step(want)).all()
+
+    close(nat.rms_norm(x, weight, 1e-5), ref.rms_norm(x, weight, 1e-5))
+    want_out, want_res = ref.fused_add_rms_norm(x, residual, weight, 1e-5)
+    got_out, got_res = nat.fused_add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    assert torch.equal(got_res, want_res)  # the residual add rounds once, as HF's does
+    close(got_out, want_out)
+    # Two roundings in a row (silu's, then the product's): silu's may land one step apart (a different exp),
+    # and the product carries that step before rounding again.
+    close(nat.silu_and_mul(gate_up), ref.silu_and_mul(gate_up), steps=2)
+    # Row by row: a row's result does not depend on the rows beside it.
+    assert torch.equal(nat.rms_norm(x[-1:], weight, 1e-5)[0], nat.rms_norm(x, weight, 1e-5)[-1])
+    assert torch.equal(nat.silu_and_mul(gate_up[-1:])[0], nat.silu_and_mul(gate_up)[-1])
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_place_on_qkv_views_and_kv_write(dtype):
+    """q and k are strided views into the fused qkv output; rope rotates them there; write_kv copies k/v out."""
+    gen = torch.Generator().manual_seed(0)
+    t, hq, hkv, d, max_pos = 37, 8, 2, 64, 512
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    positions = torch.randint(0, max_pos, (t,), generator=gen)
+    freqs = torch.outer(torch.arange(max_pos, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    cos_sin = (freqs.cos(), freqs.sin())
+
+    def views(buf):
+        q, k, v = buf.split((hq * d, hkv * d, hkv * d), dim=-1)
+        return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+
+    # HF's apply_rotary_pos_emb on the same values: cos/sin cast to the dtype, each product and the sum rounded.
+    cos = torch.cat([cos_sin[0][positions]] * 2, dim=-1)[:, None].to(dtype)
+    sin = torch.cat([cos_sin[1][positions]] * 2, dim=-1)[:, None].to(dtype)
+
+    def hf_rope(x):
+        rotated = torch.cat((-x[..., d // 2 :], x[..., : d // 2]), dim=-1)
+        return (x * cos) + (rotated * sin)
+
+    q_ref, k_ref = (hf_rope(x) for x in views(qkv.clone())[:2])
+    buf = qkv.clone()
+    q, k, v = views(buf)
+    q_out, k_out = TorchBackend(native=True).rope(q, k, positions, cos_sin)
+    assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr()  # in place, no copies
+    for got, want in ((q, q_ref), (k, k_ref)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:  # the same roundings at the same points: the same bits
+            assert torch.equal(got, want)
+    assert torch.equal(views(buf)[2], views(qkv)[2])  # v untouched
+
+    k_cache = torch.full((8, 16, hkv, d), float("nan"), dtype=dtype)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    slots = torch.randperm(8 * 16, generator=gen)[:t]
+    TorchBackend(native=True).write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, hkv, d)[slots], k) and torch.equal(v_cache.view(-1, hkv, d)[slots], v)
+    assert k_cache.view(-1, hkv, d).isnan().all(-1).all(-1).sum() == 8 * 16 - t  # nothing else written
+    with pytest.raises(RuntimeError, match="slot out of the cache"):
+        TorchBackend(native=True).write_kv(k, v, k_cache, v_cache, slots + 8 * 16)
