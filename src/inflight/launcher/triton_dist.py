@@ -157,8 +157,10 @@ def _run(cmd: list[str], what: str) -> None:
 
 def server_env(dist: ServerDist, base: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    # OMP_WAIT_POLICY is left to the caller: libgomp's default (a short spin, then sleep) measured 1.5-2x
-    # faster per decode step than PASSIVE on a machine the server has to itself (docs/PERFORMANCE.md).
+    # OpenMP threads spinning at barriers collapse (10-60x, measured) when Triton's own threads or another
+    # process take a core. PASSIVE costs 1.5-2x per decode step on an otherwise idle machine (a wake-up
+    # after every op): set OMP_WAIT_POLICY=ACTIVE or GOMP_SPINCOUNT in the environment to choose otherwise.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PATH"] = os.pathsep.join([str(stub_python_bin(dist)), env.get("PATH", "")])
     libs = [str(d) for d in dist.lib_dirs]
     # The stub links libpython3.X.so; prefer the one of this interpreter over whatever the system has.
