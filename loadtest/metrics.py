@@ -129,6 +129,31 @@ def _mean_ms(values: list[float]) -> float | None:
     return 1000 * float(np.mean(values)) if values else None
 
 
+def busy_cpu_s() -> float | None:
+    """CPU seconds the whole machine has been busy since boot (every core, every process)."""
+    busy = _busy_jiffies()
+    return None if busy is None else busy / os.sysconf("SC_CLK_TCK")
+
+
+def session_cpu_s(sid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of each live process of session `sid`, by pid: the processes a
+    subprocess started with `start_new_session` runs, orphans included."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                data = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        fields = data[data.rfind(")") + 2 :].split()  # after "pid (comm)": field 3 (state) onwards
+        if int(fields[3]) == sid:
+            out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def _busy_jiffies() -> int | None:
     try:
         with open("/proc/stat") as f:

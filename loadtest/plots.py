@@ -108,3 +108,47 @@ def write_all(runs: dict[str, RunResult], out_dir: Path, extra_rates: dict[str, 
         paths.append(kv_blocks_over_time(kv, out_dir / "kv_blocks.png"))
     paths.append(latency_cdfs(listed, out_dir / "latency_cdf.png"))
     return paths
+
+
+def peer_bars(rows: list[dict], target: float, path: Path) -> Path:
+    """inflight next to vLLM-CPU per model and dtype: throughput (left) and the ratio against the target
+    (right). Each group's label says how much CPU other processes took during each side's run."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(SIZE[0] * 1.7, SIZE[1] * 1.25))
+    x = np.arange(len(rows))
+    labels = [
+        f"{r['model']}\n{r['dtype']}\nothers {_share(r['inflight'].get('contention'))} / "
+        f"{_share((r['vllm'] or {}).get('contention'))}"
+        for r in rows
+    ]
+    width = 0.38
+    ours = left.bar(x - width / 2, [r["inflight"]["tokens_per_s"] for r in rows], width, label="inflight")
+    left.bar_label(ours, fmt="%.0f", fontsize=8)
+    theirs = [r["vllm"]["tokens_per_s"] if r["vllm"] else 0.0 for r in rows]
+    peer = left.bar(x + width / 2, theirs, width, color="tab:gray", label="vLLM-CPU")
+    left.bar_label(peer, labels=[f"{v:.0f}" if r["vllm"] else "skipped" for v, r in zip(theirs, rows)], fontsize=8)
+    left.set_ylabel("output tokens / s")
+    left.set_title("Throughput, same trace (higher is better)")
+    left.legend(fontsize=8)
+
+    ratios = [r["inflight_over_vllm"] for r in rows]
+    colors = [{True: "tab:green", False: "tab:red", None: "tab:gray"}[r["met"]] for r in rows]
+    bars = right.bar(x, [v or 0.0 for v in ratios], 0.6, color=colors)
+    right.bar_label(bars, labels=["n/a" if v is None else f"{v:.2f}×" for v in ratios], fontsize=8)
+    right.axhline(target, color="k", ls="--", lw=1.0, label=f"target {target:g}×")
+    right.axhline(1.0, color="tab:gray", ls=":", lw=1.0, label="parity")
+    right.set_ylim(0, max([target, *(v for v in ratios if v)]) * 1.2)
+    right.set_ylabel("inflight ÷ vLLM-CPU")
+    right.set_title("inflight ÷ vLLM-CPU (green: target met)")
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xticks(x, labels, fontsize=8)
+        # A group or two keep the width their bars have in a full chart, centred.
+        ax.set_xlim((len(rows) - 1) / 2 - max(len(rows), 3) / 2, (len(rows) - 1) / 2 + max(len(rows), 3) / 2)
+    fig.text(
+        0.01, 0.01, "others: CPU share other processes took during the inflight run / vLLM's timed generate", fontsize=7
+    )
+    return _save(fig, path)
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{x:.0%}"

@@ -7,6 +7,7 @@ static batching waits for.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,6 +179,15 @@ def cost_model_ratio(trace: Sequence[TraceRequest], batch_size: int, fixed_s: fl
 def kv_blocks_needed(trace: Sequence[TraceRequest], block_size: int) -> int:
     """Blocks to hold every request's full sequence at once (a KV budget that never preempts)."""
     return sum(math.ceil((r.prompt_len + r.output_len) / block_size) for r in trace)
+
+
+def digest(trace: Sequence[TraceRequest]) -> str:
+    """A fingerprint of the work a trace asks for (prompts, exact output lengths, arrivals): two systems
+    that report the same digest served the same requests, even when each built the trace itself."""
+    h = hashlib.sha256()
+    for r in trace:
+        h.update(f"{r.request_id}:{r.output_len}:{r.arrival_s!r}:{','.join(map(str, r.prompt_token_ids))};".encode())
+    return h.hexdigest()[:16]
 
 
 def summarize(trace: Sequence[TraceRequest]) -> dict[str, float]:
