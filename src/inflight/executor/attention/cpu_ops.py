@@ -13,8 +13,8 @@ Every op works row by row: a row's result never depends on which other rows shar
 `TorchBackend`'s plain-torch path stays the oracle these are tested against.
 
 The build needs a C++ compiler (gcc is on every supported machine); torch caches it under
-`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`), keyed by this source and the CPU's
-instruction set (`-march=native`). If it cannot be built, `load()` returns None and the backend keeps
+`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) under a name keyed by this source and the
+CPU's instruction set (`-march=native`). If it cannot be built, `load()` returns None and the backend keeps
 the plain-torch path.
 """
 
@@ -363,14 +363,15 @@ _tried = False
 
 def _build_name() -> str:
     # -march=native compiles for this CPU: a cache shared across machines (a home directory on NFS, an
-    # image built elsewhere) must not hand one CPU's build to another, so the CPU is part of the name.
-    cpu = platform.machine()
+    # image built elsewhere) must not hand one CPU's build to another, so the CPU is part of the name. So
+    # is the source: two checkouts with different sources would otherwise rebuild over each other's copy.
+    key = platform.machine() + _SOURCE
     try:
         with open("/proc/cpuinfo") as f:
-            cpu += next((line for line in f if line.startswith("flags")), "")
+            key += next((line for line in f if line.startswith("flags")), "")
     except OSError:
         pass
-    return "inflight_cpu_ops_" + hashlib.sha1(cpu.encode()).hexdigest()[:10]
+    return "inflight_cpu_ops_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
 def load() -> Any:
