@@ -57,6 +57,8 @@ class LLMEngine:
             self.dtype,
             self.device,
             config.resolved_attention_backend(),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
         )
         self.sampler = Sampler(mc.vocab_size, sorted(self.eos_token_ids))
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
@@ -247,7 +249,7 @@ class LLMEngine:
         sampled = None
         if sampling:
             bitmask = self.structured_outputs.grammar_bitmask(sampling)
-            sampled = self.sampler(result.logits, sampling, bitmask)
+            sampled = self.sampler(result.logits, sampling, bitmask, result.sampling_metadata)
         outputs += self._process_samples(sampling, sampled)
         self._record_stats(sched, num_running, num_decode, t0, result.forward_time_s)
         return outputs

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
+import numpy as np
 import torch
 
 from inflight.sampling_params import SamplingParams
@@ -98,38 +98,108 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None  # [B, N] float32
 
 
-class _TokenHistory:
-    """A sequence's prompt and output ids as CPU tensors for the penalties, the outputs grown in place:
-    a step costs O(new tokens) Python work per row, not a list-to-tensor copy of everything seen."""
-
-    def __init__(self, prompt_token_ids: list[int]):
-        self.prompt = torch.tensor(prompt_token_ids, dtype=torch.int64)
-        self._out = torch.empty(16, dtype=torch.int64)
-        self._capacity = 16
-        self._len = 0
-
-    def outputs(self, output_token_ids: list[int]) -> torch.Tensor:
-        n = len(output_token_ids)
-        if n < self._len:  # outputs only grow; rebuild rather than trust a shrunk list
-            self._len = 0
-        if n > self._capacity:
-            self._capacity = 2 * n
-            self._out = torch.cat([self._out[: self._len], torch.empty(self._capacity, dtype=torch.int64)])
-        if n == self._len + 1:
-            self._out[self._len] = output_token_ids[-1]
-        elif n > self._len:
-            self._out[self._len : n] = torch.tensor(output_token_ids[self._len :], dtype=torch.int64)
-        self._len = n
-        return self._out[:n]
+def sampling_row_values(params: SamplingParams, seed: int) -> dict[str, float | int]:
+    """One request's entries in SamplingMetadata's per-row arrays."""
+    top_k = params.top_k if params.top_k > 0 else 0
+    return {
+        "temperature": params.temperature,
+        "top_k": min(top_k, 2**31 - 1),  # any k at or past the vocabulary is "off" for the sampler
+        "top_p": params.top_p,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "min_tokens": params.min_tokens,
+        "logprobs": -1 if params.logprobs is None else params.logprobs,
+        "seeds": seed,
+    }
 
 
-def _rows(idx: list[int], n: int, device: torch.device) -> slice | torch.Tensor:
+@dataclass
+class SamplingMetadata:
+    """The sampled rows' parameters as arrays ([S], in the logits' row order) and where their token ids live.
+
+    The persistent input batch builds it from its rows (no per-step Python lists); `from_seqs` builds it
+    from sequences. Floats are kept in float64, the parameters' own values, and cast where they are used,
+    as `torch.tensor(list_of_floats, dtype=...)` did."""
+
+    # name -> dtype of the per-row parameter arrays (the input batch keeps one array per name)
+    ROW_FIELDS: ClassVar[dict[str, type]] = {
+        "temperature": np.float64,
+        "top_k": np.int64,  # 0: off
+        "top_p": np.float64,
+        "min_p": np.float64,
+        "repetition_penalty": np.float64,
+        "presence_penalty": np.float64,
+        "frequency_penalty": np.float64,
+        "min_tokens": np.int64,
+        "logprobs": np.int64,  # -1: none asked
+        "seeds": np.int64,
+    }
+
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    repetition_penalty: np.ndarray
+    presence_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    min_tokens: np.ndarray
+    logprobs: np.ndarray
+    seeds: np.ndarray
+    output_lens: np.ndarray  # int64: outputs so far, which is the output index this step samples
+    num_prompt_tokens: np.ndarray  # int64
+    token_ids: np.ndarray  # [R, L] integer table: row token_rows[i] holds row i's prompt ids, then its outputs
+    token_rows: np.ndarray  # int64 [S]
+
+    @classmethod
+    def from_seqs(cls, seqs: list[Sequence]) -> SamplingMetadata:
+        rows = [sampling_row_values(s.sampling_params, s.seed) for s in seqs]
+        width = max((s.num_tokens for s in seqs), default=0)
+        token_ids = np.zeros((len(seqs), width), dtype=np.int64)
+        for row, s in zip(token_ids, seqs):
+            row[: s.num_tokens] = s.prompt_token_ids + s.output_token_ids
+        return cls(
+            **{name: np.array([r[name] for r in rows], dtype=dt) for name, dt in cls.ROW_FIELDS.items()},
+            output_lens=np.array([len(s.output_token_ids) for s in seqs], dtype=np.int64),
+            num_prompt_tokens=np.array([len(s.prompt_token_ids) for s in seqs], dtype=np.int64),
+            token_ids=token_ids,
+            token_rows=np.arange(len(seqs), dtype=np.int64),
+        )
+
+    def select(self, idx: np.ndarray) -> SamplingMetadata:
+        """The rows `idx`, in that order."""
+        return SamplingMetadata(
+            **{name: getattr(self, name)[idx] for name in (*self.ROW_FIELDS, "output_lens", "num_prompt_tokens")},
+            token_ids=self.token_ids,
+            token_rows=self.token_rows[idx],
+        )
+
+    def token_ids_of(self, rows: np.ndarray, start: np.ndarray, lens: np.ndarray) -> np.ndarray:
+        """ids [start, start + len) of each of `rows`, concatenated: one gather, no per-row Python."""
+        first = np.zeros(len(lens), dtype=np.int64)
+        np.cumsum(lens[:-1], out=first[1:])
+        base = self.token_rows[rows] * self.token_ids.shape[1] + start - first
+        return self.token_ids.reshape(-1)[np.repeat(base, lens) + np.arange(int(lens.sum()), dtype=np.int64)]
+
+
+def _rows(idx: np.ndarray | list[int], n: int, device: torch.device) -> slice | torch.Tensor:
     """Index selecting `idx` out of n rows; a plain slice (a view, no copy) when it is all of them."""
-    return slice(None) if len(idx) == n else torch.tensor(idx, dtype=torch.int64, device=device)
+    return slice(None) if len(idx) == n else torch.as_tensor(idx, dtype=torch.int64).to(device)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _next_pow2_np(n: np.ndarray) -> np.ndarray:
+    # frexp's exponent of n - 1 > 0 is its bit length (exact below 2**53); 1 for n <= 1, as _next_pow2.
+    return np.left_shift(1, np.frexp(np.maximum(n - 1, 0).astype(np.float64))[1].astype(np.int64))
+
+
+def _top_k_on(md: SamplingMetadata, vocab: int) -> np.ndarray:
+    """Each row's top-k, 0 where it keeps every token."""
+    return np.where((md.top_k > 0) & (md.top_k < vocab), md.top_k, 0)
 
 
 class Sampler:
@@ -141,57 +211,60 @@ class Sampler:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._id_hash_cache: dict[tuple[int, torch.device], torch.Tensor] = {}
-        self._history: weakref.WeakKeyDictionary[Sequence, _TokenHistory] = weakref.WeakKeyDictionary()
 
     def __call__(
         self,
         logits: torch.Tensor,
         seqs: list[Sequence],
         grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
+        metadata: SamplingMetadata | None = None,
     ) -> SamplerOutput:
         """`logits` is left unmodified; penalties and masks work on a copy. `grammar_bitmask` is
         (bitmask [B, ceil(V/32)] int32, rows [R]): the structured-output rows and their masks (a set bit
-        allows a token); the other rows of the bitmask are ignored."""
+        allows a token); the other rows of the bitmask are ignored. `metadata` holds `seqs`' parameters
+        and token ids as arrays (the engine passes the input batch's); without it they are read from `seqs`."""
+        md = metadata if metadata is not None else SamplingMetadata.from_seqs(seqs)
         num_rows = len(seqs)
         vocab = min(self.vocab_size, logits.shape[1])
-        params = [s.sampling_params for s in seqs]
 
-        work = self.penalize(logits[:, :vocab], seqs)
+        work = self.penalize(logits[:, :vocab], seqs, md)
         if grammar_bitmask is not None:
             work = self._apply_grammar(logits[:, :vocab], work, *grammar_bitmask)
-        sampled = [i for i, p in enumerate(params) if p.temperature >= _MIN_TEMPERATURE]
-        if not sampled:
+        is_sampled = md.temperature >= _MIN_TEMPERATURE
+        sampled = np.nonzero(is_sampled)[0]
+        if not sampled.size:
             token_ids = work.argmax(-1)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
             if len(sampled) < num_rows:
-                greedy = [i for i, p in enumerate(params) if p.temperature < _MIN_TEMPERATURE]
-                g = _rows(greedy, num_rows, logits.device)
+                g = _rows(np.nonzero(~is_sampled)[0], num_rows, logits.device)
                 token_ids[g] = work[g].argmax(-1)
             s = _rows(sampled, num_rows, logits.device)
-            token_ids[s] = self._sample(work[s], [seqs[i] for i in sampled])
-        return self._logprobs(logits, token_ids, params, SamplerOutput(token_ids, None, None, None))
+            token_ids[s] = self._sample(work[s], md.select(sampled))
+        return self._logprobs(logits, token_ids, md, SamplerOutput(token_ids, None, None, None))
 
     # -- logits processors (before temperature) -------------------------------------------------------
 
-    def penalize(self, work: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def penalize(
+        self, work: torch.Tensor, seqs: list[Sequence], metadata: SamplingMetadata | None = None
+    ) -> torch.Tensor:
         """Repetition / presence / frequency penalties and the min_tokens mask (greedy rows too, as in
         vLLM and HF). Returns `work` itself when no row needs either, else a modified copy."""
+        md = metadata if metadata is not None else SamplingMetadata.from_seqs(seqs)
         vocab = work.shape[1]
-        penalized, masked_rows, masked_ids = [], [], []
-        for i, seq in enumerate(seqs):
-            p = seq.sampling_params
-            if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-                penalized.append(i)
-            if len(seq.output_token_ids) < p.min_tokens:
-                ids = [t for t in itertools.chain(self.eos_token_ids, p.stop_token_ids) if t < vocab]
-                masked_rows.extend([i] * len(ids))
-                masked_ids.extend(ids)
-        if not (penalized or masked_rows):
+        penalized = np.nonzero(
+            (md.repetition_penalty != 1.0) | (md.presence_penalty != 0.0) | (md.frequency_penalty != 0.0)
+        )[0]
+        masked_rows, masked_ids = [], []
+        for i in np.nonzero(md.output_lens < md.min_tokens)[0].tolist():
+            ids = [t for t in itertools.chain(self.eos_token_ids, seqs[i].sampling_params.stop_token_ids) if t < vocab]
+            masked_rows.extend([i] * len(ids))
+            masked_ids.extend(ids)
+        if not (penalized.size or masked_rows):
             return work
         work = work.clone()
-        if penalized:
-            self._apply_penalties_(work, penalized, [seqs[i] for i in penalized])
+        if penalized.size:
+            self._apply_penalties_(work, penalized, md)
         if masked_rows:
             rows = torch.tensor(masked_rows, dtype=torch.int64, device=work.device)
             work[rows, torch.tensor(masked_ids, dtype=torch.int64, device=work.device)] = -math.inf
@@ -218,35 +291,28 @@ class Sampler:
             xgr.apply_token_bitmask_inplace(work, bitmask, vocab_size=vocab, indices=dead.tolist())
         return work
 
-    def _apply_penalties_(self, work: torch.Tensor, rows: list[int], seqs: list[Sequence]) -> None:
+    def _apply_penalties_(self, work: torch.Tensor, rows: np.ndarray, md: SamplingMetadata) -> None:
         # Only the tokens a sequence has seen are touched: index ops over those, not passes over [B, V].
         vocab = work.shape[1]
-        params = [s.sampling_params for s in seqs]
-        histories = []
-        for s in seqs:
-            h = self._history.get(s)
-            if h is None:
-                h = self._history[s] = _TokenHistory(s.prompt_token_ids)
-            histories.append(h)
-        parts = [h.outputs(s.output_token_ids) for h, s in zip(histories, seqs)]
-        lens = [len(s.output_token_ids) for s in seqs]
-        with_prompt = any(p.repetition_penalty != 1.0 for p in params)
-        if with_prompt:
-            parts += [h.prompt for h in histories]
-            lens += [len(s.prompt_token_ids) for s in seqs]
-        ids = torch.cat(parts)  # output ids of every row, then prompt ids
+        num_prompt, num_output = md.num_prompt_tokens[rows], md.output_lens[rows]
+        ids = md.token_ids_of(rows, num_prompt, num_output)
+        lens = num_output
+        with_prompt = bool((md.repetition_penalty[rows] != 1.0).any())
+        if with_prompt:  # output ids of every row, then prompt ids
+            ids = np.concatenate([ids, md.token_ids_of(rows, np.zeros_like(num_prompt), num_prompt)])
+            lens = np.concatenate([num_output, num_prompt])
         copies = 2 if with_prompt else 1
-        lens_t = torch.tensor(lens)
-        # Per id: its row's offset in the flattened logits, and its row's penalties.
-        pos = torch.tensor([r * vocab for r in rows]).repeat(copies).repeat_interleave(lens_t) + ids
-        values = [(p.repetition_penalty, p.presence_penalty, p.frequency_penalty) for p in params]
-        values = torch.tensor(values, dtype=work.dtype).repeat(copies, 1).repeat_interleave(lens_t, dim=0)
-        num_out = sum(lens[: len(seqs)])
-        if ids.numel() and int(ids.max()) >= vocab:  # ids past the sampled vocabulary have no logit
+        # Per id: its row (of `rows`), its offset in the flattened logits, and its row's penalties.
+        id_rows = np.repeat(np.tile(np.arange(len(rows)), copies), lens)
+        pos = rows[id_rows] * vocab + ids
+        values = np.stack([md.repetition_penalty[rows], md.presence_penalty[rows], md.frequency_penalty[rows]], 1)
+        values = torch.from_numpy(values).to(work.dtype)[torch.from_numpy(id_rows)]
+        num_out = int(num_output.sum())
+        if ids.size and int(ids.max()) >= vocab:  # ids past the sampled vocabulary have no logit
             keep = ids < vocab
             num_out = int(keep[:num_out].sum())
-            pos, values = pos[keep], values[keep]
-        pos = pos.to(work.device, non_blocking=True)
+            pos, values = pos[keep], values[torch.from_numpy(keep)]
+        pos = torch.from_numpy(pos).to(work.device, non_blocking=True)
         rep, pres, freq = values.to(work.device).unbind(1)
 
         flat = work.view(-1)
@@ -268,29 +334,25 @@ class Sampler:
             self._id_hash_cache[key] = id_hashes(torch.arange(vocab, device=device))
         return self._id_hash_cache[key]
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         n, vocab = logits.shape
         dev = logits.device
-        params = [s.sampling_params for s in seqs]
-        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temps = torch.from_numpy(md.temperature).to(dev, torch.float32)
         scaled = logits.float() / temps[:, None]
-        keys = row_keys(
-            torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev),
-            torch.tensor([len(s.output_token_ids) for s in seqs], dtype=torch.int64, device=dev),
-        )
+        keys = row_keys(torch.from_numpy(md.seeds).to(dev), torch.from_numpy(md.output_lens).to(dev))
         hashed = self._hashed_vocab(vocab, dev)
         token_ids = torch.empty(n, dtype=torch.int64, device=dev)
 
-        plain, windows = [], {}
-        for i, p in enumerate(params):
-            top_k = p.top_k if 0 < p.top_k < vocab else 0
-            if top_k:
-                # One past k so that a tie at the k-th value is seen inside the window.
-                windows.setdefault(min(vocab, max(16, _next_pow2(top_k + 1))), []).append(i)
-            elif p.top_p < 1.0 or p.min_p > 0.0:
-                windows.setdefault(min(vocab, _WINDOW), []).append(i)
-            else:
-                plain.append(i)
+        top_k = _top_k_on(md, vocab)
+        # One past k so that a tie at the k-th value is seen inside the window.
+        sizes = np.where(top_k > 0, np.minimum(vocab, np.maximum(16, _next_pow2_np(top_k + 1))), 0)
+        sizes[(top_k == 0) & ((md.top_p < 1.0) | (md.min_p > 0.0))] = min(vocab, _WINDOW)
+        plain = np.nonzero(sizes == 0)[0].tolist()
+        windowed = np.nonzero(sizes)[0]
+        windows: dict[int, list[int]] = {}
+        _, first = np.unique(sizes[windowed], return_index=True)
+        for size in sizes[windowed[np.sort(first)]].tolist():  # in order of first appearance
+            windows[size] = np.nonzero(sizes == size)[0].tolist()
         if plain:
             r = _rows(plain, n, dev)
             token_ids[r] = _gumbel_argmax(scaled[r], keys[r], hashed)
@@ -299,7 +361,7 @@ class Sampler:
         while windows:
             size, idx = windows.popitem()
             r = _rows(idx, n, dev)
-            picked, wider, floored = self._sample_window(scaled[r], keys[r], hashed, [params[i] for i in idx], size)
+            picked, wider, floored = self._sample_window(scaled[r], keys[r], hashed, md.select(np.array(idx)), size)
             token_ids[r] = picked
             for j, new_size in wider:
                 windows.setdefault(new_size, []).append(idx[j])
@@ -316,7 +378,7 @@ class Sampler:
         scaled: torch.Tensor,
         keys: torch.Tensor,
         hashed: torch.Tensor,
-        params: list[SamplingParams],
+        md: SamplingMetadata,
         size: int,
     ) -> tuple[torch.Tensor, list[tuple[int, int]], tuple[torch.Tensor, torch.Tensor] | None]:
         """Sample rows from their `size` best tokens. For the rows whose allowed set may not fit in the
@@ -325,9 +387,10 @@ class Sampler:
         n, vocab = scaled.shape
         dev = scaled.device
         vals, ids = scaled.topk(size, dim=-1)  # sorted, best first
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else 0 for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=vals.dtype, device=dev)
-        min_p = torch.tensor([p.min_p for p in params], dtype=vals.dtype, device=dev)
+        top_k_np = _top_k_on(md, vocab)
+        top_k = torch.from_numpy(top_k_np).to(dev)
+        top_p = torch.from_numpy(md.top_p).to(dev, vals.dtype)
+        min_p = torch.from_numpy(md.min_p).to(dev, vals.dtype)
         has_k = top_k > 0
 
         # Thresholds are logit values, so tied tokens are all in or all out whatever order topk gave.
@@ -338,7 +401,7 @@ class Sampler:
         cum = probs.cumsum(-1)
         before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=1)
         # top-p's mass is over the top-k set, else over the whole row (which may extend past the window).
-        if any(p.top_p < 1.0 and not 0 < p.top_k < vocab for p in params):
+        if ((md.top_p < 1.0) & (top_k_np == 0)).any():
             total = torch.where(has_k, cum[:, -1], torch.exp(scaled - best).sum(-1))
         else:
             total = cum[:, -1]
@@ -359,9 +422,10 @@ class Sampler:
         # window exactly; a top-p set is guessed from the window's share of the mass instead.
         bound = torch.maximum(thr_k, thr_min)[overflow]
         need = (size * 1.25 * top_p * total / cum[:, -1])[overflow].clamp(max=vocab).long()
-        bounded = [params[j].min_p > 0 or 0 < params[j].top_k < vocab for j in overflow.tolist()]
-        if any(bounded):
-            b = torch.tensor(bounded, device=dev)
+        overflow_np = overflow.cpu().numpy()
+        bounded = (md.min_p[overflow_np] > 0) | (top_k_np[overflow_np] > 0)
+        if bounded.any():
+            b = torch.from_numpy(bounded).to(dev)
             count = (scaled[overflow[b]] >= bound[b, None]).sum(-1) + 1
             open_p = ((top_p < 1.0) & ~has_k)[overflow[b]]
             need[b] = torch.where(open_p, torch.minimum(need[b], count), count)
@@ -378,14 +442,14 @@ class Sampler:
     # -- logprobs -------------------------------------------------------------------------------------
 
     def _logprobs(
-        self, logits: torch.Tensor, token_ids: torch.Tensor, params: list[SamplingParams], out: SamplerOutput
+        self, logits: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata, out: SamplerOutput
     ) -> SamplerOutput:
-        asked = [p.logprobs for p in params if p.logprobs is not None]
-        if not asked:
+        asked = md.logprobs[md.logprobs >= 0]
+        if not asked.size:
             return out
         raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
         out.logprobs = raw.gather(1, token_ids[:, None])[:, 0]
-        top_n = max(asked)
+        top_n = int(asked.max())
         if top_n > 0:
             out.top_logprobs, out.top_ids = raw.topk(top_n, dim=-1)
         return out
