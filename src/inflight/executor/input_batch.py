@@ -89,22 +89,22 @@ class InputBatch:
         # Rows (dense, in batch order). Entries of a block-table row past its length are 0 and rows past
         # num_reqs are all 0, so a row can be moved or handed out without clearing its tail.
         self.block_table = StagedBuffer((max_num_seqs, self.max_num_blocks_per_seq), torch.int32, device)
-        self.num_blocks_per_row = np.zeros(max_num_seqs, dtype=np.int64)
-        self.num_tokens = np.zeros(max_num_seqs, dtype=np.int64)  # ids written to the row's token slot
-        self.num_prompt_tokens = np.zeros(max_num_seqs, dtype=np.int64)
-        self.token_slot = np.zeros(max_num_seqs, dtype=np.int64)
-        self.num_preemptions = np.zeros(max_num_seqs, dtype=np.int64)  # as of the row's creation
-        self.sampling = {
-            name: np.zeros(max_num_seqs, dtype=dtype) for name, dtype in SamplingMetadata.ROW_FIELDS.items()
-        }
-        self._row_arrays = [
-            self.num_blocks_per_row,
-            self.num_tokens,
-            self.num_prompt_tokens,
-            self.token_slot,
-            self.num_preemptions,
-            *self.sampling.values(),
+        # Every per-row scalar is a row of one of two [fields, max_num_seqs] tables, so moving rows or
+        # gathering the sampled ones is one fancy-indexing op per table, not one per field.
+        self._int_fields = [
+            "num_blocks_per_row",
+            "num_tokens",  # ids written to the row's token slot
+            "num_prompt_tokens",
+            "token_slot",
+            "num_preemptions",  # as of the row's creation
         ]
+        self._sampling_ints = [k for k, dt in SamplingMetadata.ROW_FIELDS.items() if dt is np.int64]
+        self._sampling_floats = [k for k, dt in SamplingMetadata.ROW_FIELDS.items() if dt is np.float64]
+        self._ints = np.zeros((len(self._int_fields) + len(self._sampling_ints), max_num_seqs), dtype=np.int64)
+        self._floats = np.zeros((len(self._sampling_floats), max_num_seqs), dtype=np.float64)
+        self.num_blocks_per_row, self.num_tokens, self.num_prompt_tokens, self.token_slot, self.num_preemptions = (
+            self._ints[: len(self._int_fields)]
+        )
         self._seqs: list[Sequence] = []  # row -> request
         self._index: dict[Sequence, int] = {}  # request -> row
 
@@ -167,8 +167,8 @@ class InputBatch:
         if moved.size:
             # Fancy indexing reads every source row before it writes: overlapping moves are safe.
             table[moved, :width] = table[src[moved], :width]
-            for a in self._row_arrays:
-                a[moved] = a[src[moved]]
+            self._ints[:, moved] = self._ints[:, src[moved]]
+            self._floats[:, moved] = self._floats[:, src[moved]]
         # Rows that no kept row landed on hold a departed request's blocks: clear them.
         landed = np.zeros(max(n, old_n), dtype=bool)
         landed[kept] = True
@@ -185,8 +185,9 @@ class InputBatch:
         self.num_prompt_tokens[row] = len(seq.prompt_token_ids)
         self.token_slot[row] = self._free_slots.pop()
         self.num_preemptions[row] = seq.num_preemptions
-        for name, value in sampling_row_values(seq.sampling_params, seq.seed).items():
-            self.sampling[name][row] = value
+        values = sampling_row_values(seq.sampling_params, seq.seed)
+        self._ints[len(self._int_fields) :, row] = [values[k] for k in self._sampling_ints]
+        self._floats[:, row] = [values[k] for k in self._sampling_floats]
 
     def _append_blocks(self, seqs: list[Sequence]) -> None:
         n = len(seqs)
@@ -283,10 +284,18 @@ class InputBatch:
 
     def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         """The sampling parameters and token ids of `rows` (in that order), from the batch's arrays."""
+        ints, floats = self._ints[:, rows], self._floats[:, rows]
+        field = self._int_fields.index
+        num_tokens, num_prompt, slots = (
+            ints[field("num_tokens")],
+            ints[field("num_prompt_tokens")],
+            ints[field("token_slot")],
+        )
         return SamplingMetadata(
-            **{name: a[rows] for name, a in self.sampling.items()},
-            output_lens=self.num_tokens[rows] - self.num_prompt_tokens[rows],
-            num_prompt_tokens=self.num_prompt_tokens[rows],
+            **dict(zip(self._sampling_ints, ints[len(self._int_fields) :])),
+            **dict(zip(self._sampling_floats, floats)),
+            output_lens=num_tokens - num_prompt,
+            num_prompt_tokens=num_prompt,
             token_ids=self.token_ids,
-            token_rows=self.token_slot[rows],
+            token_rows=slots,
         )
