@@ -24,6 +24,21 @@ PROMPTS = [
 ]
 
 
+# Attention computes one query row three ways (executor/attention/torch_backend.py): a decode row in the
+# C++ paged op, a fresh prompt's rows in SDPA over its local K/V, a chunk after cached context in SDPA
+# over K/V gathered from the cache. Each sums in its own order, and rounding the result to bf16 shows
+# it: ~3e-4 of the output elements differ between the decode op and either SDPA path, ~2e-5 between
+# the two SDPA paths (the demo model's 8/4 heads of 32, random bf16 Q/K/V, 96-token contexts). A run
+# that computes a position by another path than the baseline did (a later chunk of a split prompt; a
+# decoded token recomputed after preemption; the suffix after a prefix-cache hit) then differs. Every
+# row through one per-row kernel makes all of these bit-identical (checked by routing every row through
+# the decode op); that is what the fused CPU attention op is for.
+ATTENTION_PATHS = (
+    "attention rounds a row differently in the decode op, in SDPA on a fresh prompt and in SDPA after "
+    "cached context (torch_backend.py); passes once every row takes one per-row kernel"
+)
+
+
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Plain argmax over HF forward passes: no EOS handling, like `ignore_eos=True`."""

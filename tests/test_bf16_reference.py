@@ -6,15 +6,21 @@ therefore HF bf16 on the same checkpoint and tokens: both runs are compared with
 may deviate at most 2x as much as HF bf16 does (a different but equally valid rounding order:
 fused GEMMs, fp32 attention math, per-step RoPE tables). Greedy: our argmax agrees with HF fp32's
 at least as often as HF bf16's does, give or take one position of the ~120 checked.
+
+Also here: what dtype="auto" picks (bf16 on a CPU with AMX / AVX512-BF16) and that the engine says so.
 """
 
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import pytest
 import torch
 from helpers import PROMPTS, capture_logits, hf_logits
 
 from inflight import LLM, SamplingParams
+from inflight.config import EngineConfig
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +52,43 @@ def test_bf16_logits_within_hf_bf16_error(demo_model_dir, hf_model, hf_bf16):
     assert hf_err > 0  # bf16 really rounds: the bound below is not vacuous
     assert ours_err <= 2 * hf_err, f"ours {ours_err:.4f} vs HF bf16 {hf_err:.4f} from HF fp32"
     assert ours_agree >= hf_agree - 1, f"argmax = fp32's: ours {ours_agree}, HF bf16 {hf_agree} of {checked}"
+
+
+def cpuinfo_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    return {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+
+
+def test_auto_dtype_on_this_cpu_follows_its_flags():
+    fast_bf16 = bool(cpuinfo_flags() & {"amx_bf16", "avx512_bf16"})
+    dtype, why = EngineConfig(device="cpu").resolve_dtype(torch.float32)
+    assert dtype == (torch.bfloat16 if fast_bf16 else torch.float32), why
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ({}, torch.float32),
+        ({"avx512_f": True, "avx512_bf16": False, "amx_bf16": False}, torch.float32),  # bf16 would be emulated
+        ({"avx512_bf16": True}, torch.bfloat16),
+        ({"amx_bf16": True, "amx_tile": True}, torch.bfloat16),
+    ],
+)
+def test_auto_dtype_rule(monkeypatch, flags, expected):
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: flags)
+    assert EngineConfig(device="cpu").resolve_dtype(torch.float16)[0] == expected
+    assert EngineConfig(device="cpu", dtype="float32").resolve_dtype(torch.float16)[0] == torch.float32
+    # On an accelerator auto keeps the checkpoint's dtype, whatever the host CPU.
+    assert EngineConfig(device="cuda").resolve_dtype(torch.float16)[0] == torch.float16
+
+
+def test_the_engine_logs_its_dtype_once(demo_model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="inflight"):
+        llm = LLM(demo_model_dir, num_kv_blocks=16)
+    records = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype ")]
+    expected, why = EngineConfig(device="cpu").resolve_dtype(torch.float32)
+    assert llm.engine.dtype == expected
+    assert records == [f"dtype {str(expected).removeprefix('torch.')} on cpu ({why})"]

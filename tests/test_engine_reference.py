@@ -1,4 +1,8 @@
-"""The engine against HF transformers on the same checkpoint: logits and greedy tokens."""
+"""The engine against HF transformers on the same checkpoint: logits and greedy tokens.
+
+Every engine here runs in float32, explicitly: the reference is HF in fp32 and the tolerances are fp32's
+(dtype="auto" means bf16 on a CPU with AVX512-BF16 or AMX; tests/test_bf16_reference.py covers bf16).
+"""
 
 import pytest
 import torch
@@ -9,6 +13,7 @@ from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 
 MAX_TOKENS = 16
+FP32 = "float32"
 
 
 def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[tuple[str, str]]], params) -> dict[str, list[int]]:
@@ -27,7 +32,7 @@ def run_to_completion(engine: LLMEngine, arrivals: dict[int, list[tuple[str, str
 def test_logits_every_position_match_hf_in_mixed_chunked_preempted_batches(demo_model_dir, hf_model):
     # Tiny budgets force everything at once: prefills chunked across 8-token block boundaries, decode
     # rows mixed with prefill chunks, late arrivals, and preemption from a KV cache too small for all.
-    cfg = EngineConfig(max_num_seqs=6, max_num_batched_tokens=23, block_size=8, num_kv_blocks=14)
+    cfg = EngineConfig(dtype=FP32, max_num_seqs=6, max_num_batched_tokens=23, block_size=8, num_kv_blocks=14)
     engine = LLMEngine(demo_model_dir, cfg)
     captured = capture_logits(engine)
     prompts = PROMPTS[:8]
@@ -49,7 +54,7 @@ def test_logits_every_position_match_hf_in_mixed_chunked_preempted_batches(demo_
 
 @pytest.fixture(scope="module")
 def hf_reference(demo_model_dir, hf_model):
-    llm = LLM(demo_model_dir, num_kv_blocks=64)
+    llm = LLM(demo_model_dir, dtype=FP32, num_kv_blocks=64)
     ids = [llm.tokenizer.encode(p).ids for p in PROMPTS]
     return [hf_greedy(hf_model, i, MAX_TOKENS) for i in ids]
 
@@ -70,7 +75,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     ids=["continuous-paged", "static-paged", "continuous-maxlen", "static-maxlen", "preempting", "narrow"],
 )
 def test_greedy_matches_hf_under_every_policy(demo_model_dir, hf_reference, engine_args):
-    args = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64) | engine_args
+    args = dict(dtype=FP32, max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=64) | engine_args
     llm = LLM(demo_model_dir, **args)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == hf_reference
@@ -81,6 +86,6 @@ def test_greedy_matches_hf_under_every_policy(demo_model_dir, hf_reference, engi
 
 
 def test_text_matches_hf_tokenizer_decode(demo_model_dir, hf_tokenizer):
-    llm = LLM(demo_model_dir, num_kv_blocks=64)
+    llm = LLM(demo_model_dir, dtype=FP32, num_kv_blocks=64)
     for out in llm.generate(PROMPTS[:6], GREEDY):
         assert out.text == hf_tokenizer.decode(out.token_ids, skip_special_tokens=True)

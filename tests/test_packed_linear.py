@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from inflight.models.loader import load_model
-from inflight.models.packed_linear import PackedLinear, pack_linears
+from inflight.models.packed_linear import PackedLinear, RowPaddedLinear, pack_linears
 
 
 def test_packed_model_matches_unpacked_bitwise(demo_model_dir):
@@ -63,3 +63,37 @@ def test_tied_lm_head_is_not_packed(tmp_path):
         pytest.skip("this torch build or CPU has no oneDNN bf16")
     assert isinstance(model.lm_head, nn.Linear)
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("in_features", [704, 1536, 4096])
+def test_bf16_rows_do_not_depend_on_how_many_share_the_call(in_features):
+    """Batch invariance: a row's output is the same alone, in 2, 3, 16 or 64 rows. oneDNN sums K in
+    another order for a single row when K > 1024 (AVX512-BF16), so a lone row must take the batched kernel."""
+    linear = nn.Linear(in_features, 512, bias=False).bfloat16()
+    gen = torch.Generator().manual_seed(0)
+    linear.weight.data.copy_(torch.randn(512, in_features, generator=gen) / in_features**0.5)
+    if pack_linears(nn.Sequential(linear)) == 0:
+        pytest.skip("this torch build or CPU has no oneDNN bf16")
+    packed = PackedLinear(linear)
+    x = torch.randn(256, in_features, generator=gen).bfloat16()  # ~1e-4 of outputs differ: 131k of them
+    with torch.inference_mode():
+        together = packed(x)
+        for rows in (1, 2, 3, 16):
+            split = torch.cat([packed(x[i : i + rows]) for i in range(0, 256, rows)])  # 256 = 85 * 3 + 1
+            assert torch.equal(split, together), f"{rows} row(s) per call"
+
+
+def test_tied_bf16_head_shares_the_embedding_and_pads_a_lone_row(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from test_loader import make_checkpoint
+
+    make_checkpoint(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True, hidden_size=1536, head_dim=16)
+    assert transformers
+    model, _ = load_model(tmp_path, torch.bfloat16, "cpu")
+    if not any(isinstance(m, PackedLinear) for m in model.modules()):
+        pytest.skip("this torch build or CPU has no oneDNN bf16")
+    head = model.lm_head
+    assert isinstance(head, RowPaddedLinear) and head.weight is model.model.embed_tokens.weight
+    hidden = torch.randn(512, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.inference_mode():
+        assert torch.equal(torch.cat([head(h[None]) for h in hidden]), head(hidden))

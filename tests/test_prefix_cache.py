@@ -1,5 +1,6 @@
 """Prefix caching against HF transformers: with cache hits, the logits at every computed position still
-equal HF's on the whole sequence, and the hits are where the design says they are."""
+equal HF's on the whole sequence, and the hits are where the design says they are. In float32, explicitly:
+the reference and its tolerances are fp32's (dtype="auto" may mean bf16 on this CPU)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ class Run:
     """Steps an engine, adding requests at given steps; records tokens, cached counts and logits."""
 
     def __init__(self, demo_model_dir: str, **engine_args) -> None:
-        args = dict(block_size=BS, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256) | engine_args
+        args = dict(dtype="float32", block_size=BS, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=256)
+        args |= engine_args
         self.engine = LLMEngine(demo_model_dir, EngineConfig(**args))
         self.captured = capture_logits(self.engine)
         self.prompts: dict[str, list[int]] = {}

@@ -10,6 +10,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 from e2e_util import wait_for
 from helpers import PROMPTS
 
@@ -112,3 +113,15 @@ def test_inflight_openai_fronts_a_running_triton_and_stops_on_ctrl_c(server, tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         log.close()
+
+
+def test_server_log_names_the_dtype_it_runs_in(server, server_log):
+    # dtype=auto is bf16 on a CPU with AMX / AVX512-BF16 and fp32 on others: the operator must see which.
+    from e2e_util import ENGINE_ARGS
+
+    from inflight.config import EngineConfig
+
+    dtype, why = EngineConfig(**ENGINE_ARGS).resolve_dtype(torch.float32)  # the demo checkpoint is fp32
+    log = server_log.read_text(errors="replace")
+    assert f"dtype {str(dtype).removeprefix('torch.')} on cpu ({why})" in log
+    assert f"engine ready: dtype={str(dtype).removeprefix('torch.')}," in log

@@ -7,7 +7,10 @@ import json
 import random
 
 import numpy as np
+import pytest
+import torch
 from e2e_util import ENGINE_ARGS, metric, settled
+from helpers import ATTENTION_PATHS
 
 from inflight import LLM, SamplingParams
 
@@ -55,10 +58,15 @@ def test_second_client_with_a_shared_prefix_is_served_from_the_cache(client, ser
     block = ENGINE_ARGS["block_size"]
     assert first_cached == 0
     assert prefix_len - 2 * block < second_cached <= prefix_len  # whole blocks of the shared prefix
-    assert [first_text, second_text] == expected
 
     for name in ("inflight_prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
         assert metric(after, name) - metric(before, name) == second_cached, name
     for name in ("inflight_prefix_cache_queries_total", "vllm:prefix_cache_queries_total"):
         assert metric(after, name) - metric(before, name) >= 2 * prefix_len, name
     assert metric(after, "inflight_kv_blocks", state="cached") > 0
+
+    if [first_text, second_text] != expected and no_cache.engine.dtype == torch.bfloat16:
+        # Last, so that everything above is still checked. The suffix after a hit runs attention over
+        # cached K/V, another summation order than the uncached run's: see ATTENTION_PATHS.
+        pytest.xfail(f"bf16 (dtype=auto on this CPU): {ATTENTION_PATHS}")
+    assert [first_text, second_text] == expected

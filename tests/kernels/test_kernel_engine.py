@@ -19,8 +19,11 @@ PROMPTS = [
 
 
 def generate(model_dir: str, backend: str, **engine_args) -> list[list[int]]:
+    # fp32: on a CPU the kernels run under TRITON_INTERPRET=1, whose bf16 arithmetic is garbage (and
+    # dtype="auto" means bf16 on a CPU with AVX512-BF16); bf16 kernels are checked by compiling them.
     llm = LLM(
         model_dir,
+        dtype="float32",
         attention_backend=backend,
         max_num_batched_tokens=16,
         max_num_seqs=4,

@@ -5,6 +5,7 @@ step() = schedule → forward → sample → append → detokenize → finish/fr
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from pathlib import Path
@@ -25,13 +26,16 @@ from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 from inflight.text.detokenizer import IncrementalDetokenizer, detokenize_batch
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device)
         ckpt_dtype = ModelConfig.from_dir(model_dir).torch_dtype
-        self.dtype = config.torch_dtype(ckpt_dtype)
+        self.dtype, why = config.resolve_dtype(ckpt_dtype)
+        logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, why)
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.model_config

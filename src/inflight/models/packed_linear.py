@@ -6,6 +6,14 @@ on the 50M model's shapes: 1.75x faster with 1-4 rows, 1.3x with 32, 1.1x with 2
 fp32: `F.linear` goes to MKL sgemm, which runs skinny shapes at half of oneDNN's packed rate (quiet
 machine, the 50M model's four layer shapes: 15 vs 28 GFLOP/s at 1 row, 98 vs 173 at 32, 114 vs 191
 at 64, 145 vs 181 at 256). The results differ from MKL's in rounding only (checked at pack time).
+
+Batch invariance (bf16): oneDNN runs a single row through another kernel than two or more rows; with
+AVX512-BF16 and K > 1024 it sums K in another order, so about 1e-4 of the outputs round one bf16 ulp
+apart (all M from 2 to 2048 agree bit for bit). A sequence decoding alone would then get other logits
+than in a batch, and greedy outputs would depend on the batch. A bf16 row therefore never goes alone:
+it is duplicated into a 2-row call. Cost, measured under load (noisy): 1.3-1.7x per lone-row call in a
+micro-benchmark (llama50m's shapes and 4096 x 4096, best of 15 rounds); a whole llama50m decode step at
+batch 1 within noise (median ratio 0.98 over 10 interleaved rounds).
 """
 
 from __future__ import annotations
@@ -26,28 +34,55 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor: kept as a plain attribute, not a parameter (state_dict cannot hold it).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
+        self.pad_single_row = self.dtype == torch.bfloat16  # see the module docstring: batch invariance
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        if self.pad_single_row and x.dim() == 2 and x.shape[0] == 1:
+            return self._linear(x.expand(2, -1).contiguous())[:1]
+        return self._linear(x.contiguous())
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class RowPaddedLinear(nn.Linear):
+    """An unpacked bf16 `nn.Linear` that shares its parameters (a tied lm_head: packing would copy the
+    embedding), with `PackedLinear`'s single-row padding for the same batch invariance."""
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear) -> RowPaddedLinear:
+        with torch.device("meta"):
+            padded = cls(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        padded.weight, padded.bias = linear.weight, linear.bias
+        return padded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] == 1:
+            return super().forward(x.expand(2, -1))[:1]
+        return super().forward(x)
 
 
 def pack_linears(model: nn.Module, skip: set[nn.Module] | frozenset = frozenset()) -> int:
     """Swap every CPU fp32/bf16 `nn.Linear` of `model` (but those in `skip`) for a `PackedLinear`; returns
-    how many (0 if unsupported)."""
+    how many (0 if unsupported). Those in `skip` keep their weight tensor; in bf16 they become a
+    `RowPaddedLinear` around it."""
     linears = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, nn.Linear)
-        and child not in skip
         and child.weight.dtype in (torch.float32, torch.bfloat16)
         and child.weight.device.type == "cpu"
     ]
-    if not linears or not _supported(linears[0][2]):
+    packable = [entry for entry in linears if entry[2] not in skip]
+    if not packable or not _supported(packable[0][2]):
         return 0
     for parent, name, child in linears:
-        setattr(parent, name, PackedLinear(child))
-    return len(linears)
+        if child not in skip:
+            setattr(parent, name, PackedLinear(child))
+        elif child.weight.dtype == torch.bfloat16:
+            setattr(parent, name, RowPaddedLinear.wrap(child))
+    return len(packable)
 
 
 def _supported(sample: nn.Linear) -> bool:

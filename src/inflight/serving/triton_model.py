@@ -179,7 +179,8 @@ class TritonPythonModel:
         self.loop = EngineLoop(self.engine, on_iteration, settings.step_log, on_broken=self._on_broken).start()
         self._ids = itertools.count()
         log.info(
-            "engine ready: max_model_len=%d, %d KV blocks of %d tokens",
+            "engine ready: dtype=%s, max_model_len=%d, %d KV blocks of %d tokens",
+            str(self.engine.dtype).removeprefix("torch."),
             self.engine.max_model_len,
             self.engine.num_kv_blocks,
             self.engine.config.block_size,
