@@ -24,18 +24,19 @@ PROMPTS = [
 ]
 
 
-# Attention computes one query row three ways (executor/attention/torch_backend.py): a decode row in the
-# C++ paged op, a fresh prompt's rows in SDPA over its local K/V, a chunk after cached context in SDPA
-# over K/V gathered from the cache. Each sums in its own order, and rounding the result to bf16 shows
-# it: ~3e-4 of the output elements differ between the decode op and either SDPA path, ~2e-5 between
-# the two SDPA paths (the demo model's 8/4 heads of 32, random bf16 Q/K/V, 96-token contexts). A run
-# that computes a position by another path than the baseline did (a later chunk of a split prompt; a
-# decoded token recomputed after preemption; the suffix after a prefix-cache hit) then differs. Every
-# row through one per-row kernel makes all of these bit-identical (checked by routing every row through
-# the decode op); that is what the fused CPU attention op is for.
+# bf16 batch invariance: attention computes a query row three ways (executor/attention/torch_backend.py),
+# each summing in its own order, and rounding the result to bf16 shows it (the demo model's 8/4 heads of 32,
+# random bf16 Q/K/V): the C++ decode op (online softmax per KV block) vs PyTorch's CPU flash SDPA differ in
+# ~3e-4 of output elements; SDPA on a fresh prompt (is_causal, local K/V) vs SDPA after cached context
+# (mask, gathered K/V) in ~2e-5; and SDPA on a fresh prompt gives a row another result when the prompt is
+# longer (its q/kv split sizes follow the lengths: 1-4 of the first 200-300 rows differ in a 600-token
+# prompt). So a position computed by another path or inside another prompt length than in the baseline
+# differs: a later chunk of a split prompt, a decoded token recomputed after preemption, the suffix after a
+# prefix-cache hit (and the cached prefix itself, computed by another request). Routing every row through
+# the decode op makes all of these bit-identical: that is what a per-row CPU attention op is for.
 ATTENTION_PATHS = (
-    "attention rounds a row differently in the decode op, in SDPA on a fresh prompt and in SDPA after "
-    "cached context (torch_backend.py); passes once every row takes one per-row kernel"
+    "attention rounds a row differently in the decode op, in SDPA on a fresh prompt (by prompt length) and "
+    "in SDPA after cached context (torch_backend.py); passes once every row takes one per-row kernel"
 )
 
 
