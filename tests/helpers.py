@@ -34,12 +34,6 @@ PROMPTS = [
 # differs: a later chunk of a split prompt, a decoded token recomputed after preemption, the suffix after a
 # prefix-cache hit (and the cached prefix itself, computed by another request). Routing every row through
 # the decode op makes all of these bit-identical: that is what a per-row CPU attention op is for.
-ATTENTION_PATHS = (
-    "attention rounds a row differently in the decode op, in SDPA on a fresh prompt (by prompt length) and "
-    "in SDPA after cached context (torch_backend.py); passes once every row takes one per-row kernel"
-)
-
-
 @torch.inference_mode()
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """Plain argmax over HF forward passes: no EOS handling, like `ignore_eos=True`."""

@@ -8,8 +8,9 @@ sequence whatever its batch: each run below must give the baseline's tokens *and
 bit, at every position it computes.
 
 Random-token prompts of 3-40 tokens, 32 greedy tokens each. Chunked prefill, preemption and prefix-cache
-hits change the greedy tokens of 2, 3 and 5 requests (attention, helpers.ATTENTION_PATHS): xfail(strict)
-until attention is per row. The last test covers the GEMM side (models/packed_linear.py).
+hits changed the greedy tokens of 2, 3 and 5 requests while prompts ran SDPA (whose rows depend on the
+chunk); every token now takes the per-row attention op (executor/attention/cpu_ops.py). The last test
+covers the GEMM side (models/packed_linear.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from helpers import ATTENTION_PATHS, capture_logits
+from helpers import capture_logits
 
 from inflight import LLM, SamplingParams
 
@@ -82,14 +83,8 @@ def baseline(demo_model_dir) -> Run:
         dict(scheduling_policy="static", kv_reservation="max_length", max_model_len=96),
         dict(max_num_seqs=1),  # every request alone
         dict(max_num_seqs=5),  # other batches
-        pytest.param(
-            dict(max_num_batched_tokens=7), marks=pytest.mark.xfail(strict=True, reason=ATTENTION_PATHS), id="chunked"
-        ),
-        pytest.param(
-            dict(max_num_batched_tokens=20, num_kv_blocks=42),
-            marks=pytest.mark.xfail(strict=True, reason=ATTENTION_PATHS),
-            id="preempting",
-        ),
+        dict(max_num_batched_tokens=7),  # chunked prefill
+        dict(max_num_batched_tokens=20, num_kv_blocks=42),  # preempted and recomputed
     ],
     ids=lambda args: "-".join(f"{k}={v}" for k, v in args.items()),
 )
@@ -101,7 +96,6 @@ def test_bf16_greedy_and_logits_identical_across_policies(demo_model_dir, baseli
     assert_same(baseline, result)
 
 
-@pytest.mark.xfail(strict=True, reason=ATTENTION_PATHS)
 def test_bf16_prefix_cache_hits_change_nothing(demo_model_dir):
     """4 system prompts of 200-300 tokens, 4 requests behind each: computed whole with caching off, then
     after each system prompt was cached by a request of its own (the hits skip the whole system prompt).

@@ -44,8 +44,6 @@ def test_native_matches_reference(kind, hq, hkv, head_dim, block_size, dtype):
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
     # The op reads nothing outside each context: NaN everywhere else leaves its rows finite.
     poisoned = make_batch(batch_kinds(block_size)[kind], hq, hkv, head_dim, block_size, dtype)
-    rows = torch.from_numpy(poisoned.query_start_loc_np[1:][poisoned.seq_lens_np > 0] - 1).long()
-    decode_rows = rows[torch.from_numpy(poisoned.metadata().query_lens_np == 1)]
     out = TorchBackend(native=True).attention(
         poisoned.query,
         poisoned.k_cache,
@@ -55,7 +53,7 @@ def test_native_matches_reference(kind, hq, hkv, head_dim, block_size, dtype):
         key=poisoned.key,
         value=poisoned.value,
     )
-    assert not out[decode_rows].isnan().any()
+    assert not out.isnan().any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,11 +75,9 @@ def test_decode_rows_do_not_depend_on_their_batch(dtype):
     """A sequence's attention is bit for bit the same alone and in a batch (the op splits work differently)."""
     batch = make_batch(batch_kinds(16)["decode"], 8, 4, 64, 16, dtype, garbage=None)
     meta = batch.metadata()
-    full = cpu_ops.paged_decode_attention(
-        batch.query, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, 0.125
-    )
+    full = cpu_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, 0.125)
     for row in range(batch.query.shape[0]):
-        alone = cpu_ops.paged_decode_attention(
+        alone = cpu_ops.paged_attention(
             batch.query[row : row + 1],
             batch.k_cache,
             batch.v_cache,
@@ -171,3 +167,26 @@ def test_rope_in_place_on_qkv_views_and_kv_write(dtype):
     assert k_cache.view(-1, hkv, d).isnan().all(-1).all(-1).sum() == 8 * 16 - t  # nothing else written
     with pytest.raises(RuntimeError, match="slot out of the cache"):
         TorchBackend(native=True).write_kv(k, v, k_cache, v_cache, slots + 8 * 16)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_token_is_the_same_bits_as_a_decode_step_at_its_position(dtype):
+    """Every row is attention at one position: a prompt's token j equals decoding alone at j, bit for bit,
+    whatever the chunk around it (what makes greedy outputs independent of chunking and prefix hits)."""
+    batch = make_batch(batch_kinds(16)["chunk_after_prefix"], 8, 4, 64, 16, dtype, garbage=None)
+    meta = batch.metadata()
+    out = TorchBackend(native=True).attention(batch.query, batch.k_cache, batch.v_cache, meta, 0.125)
+    qsl, lens = meta.query_start_loc_np, meta.seq_lens_np
+    for seq in range(len(lens)):
+        for j, token in enumerate(range(qsl[seq], qsl[seq + 1])):
+            position = lens[seq] - (qsl[seq + 1] - qsl[seq]) + j
+            alone = cpu_ops.paged_attention(
+                batch.query[token : token + 1],
+                batch.k_cache,
+                batch.v_cache,
+                meta.block_tables[seq : seq + 1],
+                torch.tensor([position + 1], dtype=torch.int32),
+                0.125,
+            )
+            assert torch.equal(alone[0], out[token])

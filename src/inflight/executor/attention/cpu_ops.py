@@ -6,9 +6,10 @@ math in fp32 registers and rounds once where HF rounds (so bf16 results stay nex
 - `rms_norm`, `fused_add_rms_norm` (the residual add rounded to the activations' dtype, as HF adds);
 - `rope` (in place on q and k, which may be strided views into the fused qkv output) and `write_kv`;
 - `silu_and_mul` over the fused gate/up output;
-- `paged_decode_attention`: K/V read in place through the block table (no gather into a padded tensor,
-  which cost as much as the attention itself), one pass with an online softmax per block, each K/V
-  row loaded once for the head's whole GQA group.
+- `paged_attention`: every query token is a row with its own block table and context length (a prompt
+  token at position p attends to 0..p exactly as a decode step at p would); K/V read in place through
+  the block table (no gather into a padded tensor, which cost as much as the attention itself), one
+  pass with an online softmax per block, each K/V row loaded once for the head's whole GQA group.
 Every op works row by row: a row's result never depends on which other rows share its batch.
 `TorchBackend`'s plain-torch path stays the oracle these are tested against.
 
@@ -228,7 +229,7 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
-// ---- Paged decode attention: one query token per sequence, K/V read in place through the block table ----
+// ---- Paged attention by rows: each query row has its own block table row and context length ----
 // A task is (sequence, range of KV heads) and streams each block's rows for those heads in address order:
 // one task per (sequence, head) read 256 of every 1024 bytes and ran at half the bandwidth (measured, one
 // thread, 32 rows x 300 tokens fp32: 9 -> 21 GB/s). The GQA group rides along: each K/V row loaded
@@ -332,7 +333,7 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
   });
 }
 
-void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
                             at::Tensor block_tables, at::Tensor seq_lens, double scale) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query: [B, Hq, D], heads contiguous");
@@ -344,7 +345,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
               "block_tables: int32, rows contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens: int32 [B]");
-  DISPATCH(query.scalar_type(), "paged_decode_attention", [&] {
+  DISPATCH(query.scalar_type(), "paged_attention", [&] {
     const int64_t D = query.size(2);
     if (D == 64) decode_kernel<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
     else if (D == 128) decode_kernel<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
@@ -354,7 +355,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache
 }
 """
 
-_FUNCTIONS = ["rms_norm", "fused_add_rms_norm", "rope", "write_kv", "silu_and_mul", "paged_decode_attention"]
+_FUNCTIONS = ["rms_norm", "fused_add_rms_norm", "rope", "write_kv", "silu_and_mul", "paged_attention"]
 
 _lock = threading.Lock()
 _module: Any = None
@@ -439,15 +440,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def paged_decode_attention(
-    query: torch.Tensor,  # [B, Hq, D], one query token per sequence
+def paged_attention(
+    query: torch.Tensor,  # [R, Hq, D]: R query rows (tokens); rows may be strided
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [B, >= blocks used] int32, rows may be strided
-    seq_lens: torch.Tensor,  # [B] int32
+    block_tables: torch.Tensor,  # [R, >= blocks used] int32: each row's sequence's table
+    seq_lens: torch.Tensor,  # [R] int32: each row's context length (its position + 1)
     scale: float,
 ) -> torch.Tensor:
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    with _record("paged_decode_attention"):
-        _module.paged_decode_attention(out, query, k_cache, v_cache, block_tables, seq_lens, scale)
+    with _record("paged_attention"):
+        _module.paged_attention(out, query, k_cache, v_cache, block_tables, seq_lens, scale)
     return out
