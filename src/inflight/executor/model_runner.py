@@ -33,11 +33,12 @@ class ModelOutput:
     sampling_metadata: SamplingMetadata  # those S sequences' sampling parameters and token ids
 
 
-# With OMP_WAIT_POLICY=PASSIVE, OpenMP threads sleep between ops and each op wakes them again (~100 us in
-# this project's VMs); a step whose GEMMs are this small (tokens x one layer's weights, multiply-adds)
+# With OMP_WAIT_POLICY=PASSIVE, OpenMP threads sleep between ops and each op wakes them again (tens of us
+# in this project's VMs); a step whose GEMMs are this small (tokens x one layer's weights, multiply-adds)
 # runs faster on the calling thread alone. Measured, quiet 2-core machine, decode step on one thread vs
 # two: llama50m bf16 13.3 vs 19.4 ms at batch 1, 13.9 vs 18.3 at 4, 23.0 vs 28.2 at 16, 53.7 vs 41.2 at
-# 32; the demo model (0.74M weights a layer) 1.8 vs 3.4 ms at batch 1, 6.7 vs 6.3 at 32.
+# 32; the demo model (0.74M weights a layer) 1.8 vs 3.4 ms at batch 1, 6.7 vs 6.3 at 32. The same
+# bound applies to the output layer when it is bigger than a layer.
 SINGLE_THREAD_LAYER_MACS = 32e6
 
 
@@ -71,9 +72,13 @@ class ModelRunner:
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
         packed = sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, PackedLinear))
         layer_weights = packed + sum(p.numel() for p in layer.parameters())
+        # A large vocabulary's output layer is one GEMM bigger than a whole layer (llama32k: 16.4M weights vs
+        # 3.2M): it alone decides there (measured: one thread for its small steps lost 20% of llama32k's
+        # fp32 throughput in make bench-peers).
+        head = model.cfg.hidden_size * model.cfg.vocab_size
         # Below this many tokens a step runs on one thread (0: never; CPU with sleeping OpenMP threads only).
         self.single_thread_tokens = (
-            int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights))
+            int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights, head))
             if device.type == "cpu" and passive and self.max_threads > 1
             else 0
         )
