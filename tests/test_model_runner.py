@@ -24,8 +24,8 @@ def test_a_block_table_too_short_for_its_tokens_is_refused(demo_model_dir):
 
 
 def test_small_steps_run_on_one_thread_when_openmp_threads_sleep(demo_model_dir, monkeypatch):
-    """PASSIVE OpenMP threads pay a wake-up per op: a step with few tokens runs on the calling thread, a big
-    one on every thread; the runner puts the count back for the next big step."""
+    """PASSIVE OpenMP threads pay a wake-up per op: a step with few tokens runs its forward on the calling
+    thread, a big one on every thread; the process-wide count is put back after each forward."""
     import torch
 
     from inflight import LLM
@@ -34,25 +34,22 @@ def test_small_steps_run_on_one_thread_when_openmp_threads_sleep(demo_model_dir,
     if before < 2:
         pytest.skip("one core: nothing to choose")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        llm = LLM(demo_model_dir, num_kv_blocks=64, max_num_batched_tokens=256)
-        runner = llm.engine.runner
-        assert 1 < runner.single_thread_tokens < 256
-        seen = []
-        execute = runner.execute
+    llm = LLM(demo_model_dir, num_kv_blocks=64, max_num_batched_tokens=256)
+    runner = llm.engine.runner
+    assert 1 < runner.single_thread_tokens < 256
+    seen = []
+    forward = runner.model.forward
 
-        def spy(sched):
-            out = execute(sched)
-            seen.append((sum(sched.num_scheduled_tokens), torch.get_num_threads()))
-            return out
+    def spy(input_ids, *args):
+        seen.append((len(input_ids), torch.get_num_threads()))
+        return forward(input_ids, *args)
 
-        runner.execute = spy
-        long_prompt = list(range(5, 5 + runner.single_thread_tokens + 20))
-        llm.generate([long_prompt], SamplingParams(max_tokens=3, ignore_eos=True))
-        assert seen[0] == (len(long_prompt), before)  # the prompt: every thread
-        assert all(threads == 1 for tokens, threads in seen[1:])  # one token a step: one thread
-        other = [t + 300 for t in long_prompt]  # not the same prompt: no prefix-cache hit to shrink it
-        llm.generate([other], SamplingParams(max_tokens=1, ignore_eos=True))
-        assert seen[-1] == (len(other), before)
-    finally:
-        torch.set_num_threads(before)
+    monkeypatch.setattr(runner.model, "forward", spy)
+    long_prompt = list(range(5, 5 + runner.single_thread_tokens + 20))
+    llm.generate([long_prompt], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen[0] == (len(long_prompt), before)  # the prompt: every thread
+    assert seen[1:] == [(1, 1), (1, 1)]  # one token a step: one thread
+    assert torch.get_num_threads() == before  # and the count is back for everyone else
+    other = [t + 300 for t in long_prompt]  # not the same prompt: no prefix-cache hit to shrink it
+    llm.generate([other], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert seen[-1] == (len(other), before)

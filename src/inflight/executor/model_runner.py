@@ -95,14 +95,19 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         inputs = self.prepare(sched)
         meta, sample_rows = inputs.attn_metadata, inputs.sample_rows
-        if self.single_thread_tokens:
-            threads = 1 if len(inputs.input_ids) < self.single_thread_tokens else self.max_threads
-            if threads != torch.get_num_threads():
-                torch.set_num_threads(threads)
-        t0 = time.perf_counter()
-        hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.ops)
-        last = torch.from_numpy(meta.query_start_loc_np[1:][sample_rows] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[last])
+        # The thread count is process-wide: put it back after the forward, so that nothing else (the
+        # sampler, another engine in this process, the caller's own torch work) inherits one thread.
+        single = 0 < len(inputs.input_ids) < self.single_thread_tokens
+        if single:
+            torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.ops)
+            last = torch.from_numpy(meta.query_start_loc_np[1:][sample_rows] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[last])
+        finally:
+            if single:
+                torch.set_num_threads(self.max_threads)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         return ModelOutput(
