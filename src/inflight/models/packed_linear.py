@@ -26,6 +26,9 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 
+_LONE_ROW_DIFFERS: dict[tuple[int, int, torch.dtype, bool], bool] = {}
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -34,7 +37,12 @@ class PackedLinear(nn.Module):
         # An opaque oneDNN tensor: kept as a plain attribute, not a parameter (state_dict cannot hold it).
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
         self.bias = linear.bias
-        self.pad_single_row = self._lone_row_differs()  # see the module docstring: batch invariance
+        # See the module docstring (batch invariance). oneDNN picks its kernels by shape and dtype, not by
+        # the weights' values: one probe per shape serves every layer of that shape.
+        shape = (self.in_features, self.out_features, self.dtype, self.bias is not None)
+        if shape not in _LONE_ROW_DIFFERS:
+            _LONE_ROW_DIFFERS[shape] = self._lone_row_differs()
+        self.pad_single_row = _LONE_ROW_DIFFERS[shape]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.pad_single_row and x.dim() == 2 and x.shape[0] == 1:

@@ -154,8 +154,8 @@ def _token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Te
     return tables, torch.from_numpy(lens.astype(np.int32)).to(device)
 
 
-# Decode rows are gathered padded to their bucket's longest context; sorting by length and cutting into
-# buckets of this many rows keeps the padding (memory traffic, the CPU path's main cost) small.
+# The reference gathers decode rows padded to their bucket's longest context; sorting by length and cutting
+# into buckets of this many rows keeps the padding (memory traffic, its main cost) small.
 DECODE_BUCKET_ROWS = 16
 
 
