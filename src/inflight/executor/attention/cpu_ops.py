@@ -13,23 +13,17 @@ math in fp32 registers and rounds once where HF rounds (so bf16 results stay nex
 Every op works row by row: a row's result never depends on which other rows share its batch.
 `TorchBackend`'s plain-torch path stays the oracle these are tested against.
 
-The build needs a C++ compiler (gcc is on every supported machine); torch caches it under
-`TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) under a name keyed by this source and the
-CPU's instruction set (`-march=native`). If it cannot be built, `load()` returns None and the backend keeps
-the plain-torch path.
+The build needs a C++ compiler (gcc is on every supported machine; `inflight.native_build` caches it per
+source and CPU). If it cannot be built, `load()` returns None and the backend keeps the plain-torch path.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import platform
-import threading
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from inflight import native_build
 
 _SOURCE = r"""
 #include <torch/extension.h>
@@ -356,48 +350,17 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
 """
 
 _FUNCTIONS = ["rms_norm", "fused_add_rms_norm", "rope", "write_kv", "silu_and_mul", "paged_attention"]
-
-_lock = threading.Lock()
 _module: Any = None
-_tried = False
-
-
-def _build_name() -> str:
-    # -march=native compiles for this CPU: a cache shared across machines (a home directory on NFS, an
-    # image built elsewhere) must not hand one CPU's build to another, so the CPU is part of the name. So
-    # is the source: two checkouts with different sources would otherwise rebuild over each other's copy.
-    key = platform.machine() + _SOURCE
-    try:
-        with open("/proc/cpuinfo") as f:
-            key += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return "inflight_cpu_ops_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
 def load() -> Any:
     """The compiled module, or None if this machine cannot build it (logged once)."""
-    global _module, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(
-                    name=_build_name(),
-                    cpp_sources=_SOURCE,
-                    functions=_FUNCTIONS,
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
-                    extra_ldflags=["-fopenmp", "-lm"],  # -lm brings libmvec: the vectorized expf
-                )
-            except Exception as exc:  # no compiler / headers: the reference path still works
-                logger.warning("CPU ops could not be built (%s); using the plain-torch path", exc)
+    global _module
+    _module = native_build.build("inflight_cpu_ops", _SOURCE, _FUNCTIONS, fast_math=True)
     return _module
 
 
-def _record(name: str):
-    return torch.profiler.record_function(f"inflight::{name}")  # visible by name in op profiles
+_record = native_build.record
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

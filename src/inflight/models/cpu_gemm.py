@@ -1,0 +1,218 @@
+"""The CPU linear layer as our own GEMM: weights packed once in panels, every row summed alike.
+
+Why not oneDNN (what `F.linear` and inductor's freezing call): with one input row oneDNN takes another
+kernel that, for some shapes, sums K in another order, so a sequence decoding alone got other logits
+than in a batch; and on the skinny shapes of decode (1-32 rows) it ran the weights at half this CPU's
+bandwidth. Here each output sums its K products in order k = 0..K-1 into one fp32 accumulator, however
+many rows share the call and however they are tiled: a row's result is the same bits at any batch size,
+by construction. Measured against oneDNN's pre-packed weights on llama50m's shapes (quiet 2-core Zen 4,
+`loadtest/bench_gemm.py`): 1.3-1.8x faster at 1-8 rows, 1.1-1.3x at 16-64, parity at 256, in fp32 and bf16.
+
+Layout: panels of 48 outputs (three 16-lane vectors), zero-padded past N. fp32: [P][K][48]; bf16:
+[P][K/2][48][2], the pairs `vdpbf16ps` multiplies. The micro-kernel holds 8 rows x 48 outputs in 24
+registers and streams the panel once per 8 rows; 64-row chunks x panels are the parallel tasks.
+Needs AVX-512 (and AVX512-BF16 for bf16); `supports()` says what this CPU's build can do.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from inflight import native_build
+
+PANEL = 48
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <algorithm>
+#include <cstdint>
+
+constexpr int NR = 48;     // outputs per panel: three 16-lane vectors
+constexpr int MR = 8;      // rows per micro-kernel call: 8 x 3 accumulators of the 32 vector registers
+constexpr int64_t MC = 64; // rows per task: a chunk of x stays in L2 while the panels stream past it
+
+bool supports_f32() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool supports_bf16() {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+using KernelFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, const T*, int);
+
+#ifdef __AVX512F__
+static inline __mmask16 lane_mask(int valid) {
+  return valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1u);
+}
+
+template <int R>
+static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+                       const float* bias, int valid) {
+  __m512 acc[R][3];
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    const float* wk = w + k * NR;
+    const __m512 b0 = _mm512_loadu_ps(wk), b1 = _mm512_loadu_ps(wk + 16), b2 = _mm512_loadu_ps(wk + 32);
+    for (int i = 0; i < R; i++) {
+      const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+      acc[i][0] = _mm512_fmadd_ps(a, b0, acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(a, b1, acc[i][1]);
+      acc[i][2] = _mm512_fmadd_ps(a, b2, acc[i][2]);
+    }
+  }
+  for (int j = 0; j < 3; j++) {
+    const __mmask16 m = lane_mask(valid - 16 * j);
+    if (!m) break;
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(m, bias + 16 * j) : _mm512_setzero_ps();
+    for (int i = 0; i < R; i++) _mm512_mask_storeu_ps(y + i * ldy + 16 * j, m, _mm512_add_ps(acc[i][j], bv));
+  }
+}
+
+static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr, kernel_f32<1>, kernel_f32<2>, kernel_f32<3>,
+                                                    kernel_f32<4>, kernel_f32<5>, kernel_f32<6>, kernel_f32<7>,
+                                                    kernel_f32<8>};
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+template <int R>
+static void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy,
+                        const uint16_t* bias, int valid) {
+  __m512 acc[R][3];
+  for (int i = 0; i < R; i++)
+    for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 2) {
+    const uint16_t* wk = w + k * NR;
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wk), b1 = (__m512bh)_mm512_loadu_si512(wk + 32),
+                   b2 = (__m512bh)_mm512_loadu_si512(wk + 64);
+    for (int i = 0; i < R; i++) {
+      int32_t pair;
+      __builtin_memcpy(&pair, x + i * ldx + k, 4);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
+      acc[i][2] = _mm512_dpbf16_ps(acc[i][2], a, b2);
+    }
+  }
+  for (int j = 0; j < 3; j++) {
+    const __mmask16 m = lane_mask(valid - 16 * j);
+    if (!m) break;
+    __m512 bv = _mm512_setzero_ps();
+    if (bias) {  // bf16 -> fp32: the bits shifted into the top half
+      const __m512i b16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + 16 * j));
+      bv = _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16));
+    }
+    for (int i = 0; i < R; i++) {  // fp32 sum + bias, rounded once to bf16 (nearest even)
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bv));
+      _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, m, (__m256i)o);
+    }
+  }
+}
+
+static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {nullptr, kernel_bf16<1>, kernel_bf16<2>, kernel_bf16<3>,
+                                                        kernel_bf16<4>, kernel_bf16<5>, kernel_bf16<6>,
+                                                        kernel_bf16<7>, kernel_bf16<8>};
+#endif
+
+template <typename T>
+static void run(const KernelFn<T>* kernels, const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
+                T* y, int64_t ldy, const T* bias, int64_t min_macs_per_thread) {
+  const int64_t P = (N + NR - 1) / NR, chunks = (M + MC - 1) / MC, panel_elems = K * NR;
+  // A sleeping OpenMP pool costs tens of microseconds to wake: small calls stay on the calling thread.
+  const int64_t task_macs = std::min(M, MC) * NR * K;
+  const int64_t grain = std::max<int64_t>(1, min_macs_per_thread / std::max<int64_t>(1, task_macs));
+  at::parallel_for(0, chunks * P, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) {
+      const int64_t c = t / P, p = t % P, m1 = std::min(M, (c + 1) * MC);
+      const int valid = (int)std::min<int64_t>(NR, N - p * NR);
+      for (int64_t m = c * MC; m < m1; m += MR) {
+        const int rows = (int)std::min<int64_t>(MR, m1 - m);
+        kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy,
+                      bias ? bias + p * NR : nullptr, valid);
+      }
+    }
+  });
+}
+
+void linear(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+            int64_t min_macs_per_thread) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
+              "x [M, K] and out [M, N] with contiguous rows");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M && packed.is_contiguous() && packed.numel() == ((N + NR - 1) / NR) * NR * K,
+              "the packed weight does not match x and out");
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(), "one dtype");
+  if (bias.has_value())
+    TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(), "bias [N]");
+  if (M == 0) return;
+  if (x.scalar_type() == at::kFloat) {
+#ifdef __AVX512F__
+    run<float>(F32_KERNELS, x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M, N, K,
+               out.data_ptr<float>(), out.stride(0), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+               min_macs_per_thread);
+    return;
+#endif
+  } else if (x.scalar_type() == at::kBFloat16) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    TORCH_CHECK(K % 2 == 0, "bf16 needs an even K");
+    run<uint16_t>(BF16_KERNELS, (const uint16_t*)x.data_ptr(), x.stride(0), (const uint16_t*)packed.data_ptr(), M,
+                  N, K, (uint16_t*)out.data_ptr(), out.stride(0),
+                  bias.has_value() ? (const uint16_t*)bias->data_ptr() : nullptr, min_macs_per_thread);
+    return;
+#endif
+  }
+  TORCH_CHECK(false, "this build has no kernel for ", x.scalar_type());
+}
+"""
+
+_FUNCTIONS = ["linear", "supports_f32", "supports_bf16"]
+
+# Work below which a call runs on the calling thread (multiply-adds): waking a sleeping pool costs more.
+MIN_MACS_PER_THREAD = 1 << 18
+
+
+def load() -> Any:
+    """The compiled module, or None if this machine cannot build it (logged once)."""
+    return native_build.build("inflight_cpu_gemm", _SOURCE, _FUNCTIONS)
+
+
+def supports(dtype: torch.dtype, in_features: int) -> bool:
+    module = load()
+    if module is None:
+        return False
+    if dtype == torch.float32:
+        return module.supports_f32()
+    return dtype == torch.bfloat16 and in_features % 2 == 0 and module.supports_bf16()
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> the panel layout (module docstring); a new tensor, the weight is not kept."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+    return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ the packed weight^T + bias -> [M, out_features], in x's dtype."""
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    with native_build.record("linear"):
+        load().linear(out, x, packed, bias, MIN_MACS_PER_THREAD)
+    return out
