@@ -4,8 +4,10 @@ A fixed tolerance for bf16 would be arbitrary: bf16 keeps 8 mantissa bits, so ev
 activations by up to 2**-9 relative, and how that compounds depends on the model. The reference is
 therefore HF bf16 on the same checkpoint and tokens: both runs are compared with HF fp32, and ours
 may deviate at most 2x as much as HF bf16 does (a different but equally valid rounding order:
-fused GEMMs, fp32 attention math, per-step RoPE tables). Greedy: our argmax agrees with HF fp32's
-at least as often as HF bf16's does, give or take one position of the ~120 checked.
+fused GEMMs, fp32 attention math, per-step RoPE tables). Greedy: wherever HF fp32's top two logits are
+further apart than HF bf16's own error, our argmax is fp32's. Closer than that they are a tie at bf16
+precision, which any rounding order may break either way (measured: HF bf16 and ours each missed such
+positions with margins 0.003-0.61 against an error of 0.95; counting them compared coin flips).
 
 Also here: what dtype="auto" picks (bf16 on a CPU with AMX / AVX512-BF16) and that the engine says so.
 """
@@ -36,7 +38,8 @@ def test_bf16_logits_within_hf_bf16_error(demo_model_dir, hf_model, hf_bf16):
     prompts = PROMPTS[:6]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     full = {f"{i}": llm.tokenizer.encode(p).ids + o.token_ids for i, (p, o) in enumerate(zip(prompts, outs))}
-    ours_err, hf_err, checked, ours_agree, hf_agree = 0.0, 0.0, 0, 0, 0
+    ours_err, hf_err, checked = 0.0, 0.0, 0
+    margins, ours_hits = [], []
     rid_of = {o.request_id: str(i) for i, o in enumerate(outs)}
     truth = {k: hf_logits(hf_model, ids) for k, ids in full.items()}
     hf16 = {k: hf_logits(hf_bf16, ids) for k, ids in full.items()}
@@ -45,13 +48,16 @@ def test_bf16_logits_within_hf_bf16_error(demo_model_dir, hf_model, hf_bf16):
         ours_err = max(ours_err, (logits - truth[k][positions]).abs().max().item())
         hf_err = max(hf_err, (hf16[k][positions] - truth[k][positions]).abs().max().item())
         checked += len(positions)
-        best = truth[k][positions].argmax(-1)
-        ours_agree += int((logits.argmax(-1) == best).sum())
-        hf_agree += int((hf16[k][positions].argmax(-1) == best).sum())
+        top2 = truth[k][positions].topk(2, dim=-1)
+        margins.append(top2.values[:, 0] - top2.values[:, 1])
+        ours_hits.append(logits.argmax(-1) == top2.indices[:, 0])
     assert checked > sum(len(o.token_ids) for o in outs)
     assert hf_err > 0  # bf16 really rounds: the bound below is not vacuous
     assert ours_err <= 2 * hf_err, f"ours {ours_err:.4f} vs HF bf16 {hf_err:.4f} from HF fp32"
-    assert ours_agree >= hf_agree - 1, f"argmax = fp32's: ours {ours_agree}, HF bf16 {hf_agree} of {checked}"
+    decisive = torch.cat(margins) > hf_err
+    assert decisive.sum() >= checked // 2  # most positions are decided: the check below is not vacuous
+    missed = (decisive & ~torch.cat(ours_hits)).sum().item()
+    assert missed == 0, f"argmax differs from fp32's at {missed} of {int(decisive.sum())} decided positions"
 
 
 def cpuinfo_flags() -> set[str]:

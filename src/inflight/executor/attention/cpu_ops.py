@@ -32,6 +32,7 @@ _SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 // Conversions the compiler can vectorize: bf16 is the top half of an fp32; back with round-to-nearest-even.
@@ -223,6 +224,33 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
   });
 }
 
+// ---- AVX-512 pieces of the attention op (head sizes that are multiples of 16, fp32 and bf16) ----
+#ifdef __AVX512F__
+#include <immintrin.h>
+#include <type_traits>
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// Sixteen vectors -> one vector of their sixteen horizontal sums, in a fixed tree (45 ops for 16 sums
+// where one reduction at a time costs ~8 each): lane i is the sum of v[i]'s lanes.
+static inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+#define HAVE_SIMD_ATTENTION 1
+#else
+#define HAVE_SIMD_ATTENTION 0
+#endif
+
 // ---- Paged attention by rows: each query row has its own block table row and context length ----
 // A task is (sequence, range of KV heads) and streams each block's rows for those heads in address order:
 // one task per (sequence, head) read 256 of every 1024 bytes and ran at half the bandwidth (measured, one
@@ -233,6 +261,9 @@ template <typename scalar_t, int64_t D_FIXED>
 static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           double scale) {
+  // The SIMD path: AVX-512, fp32 or bf16, a head size of whole 16-lane vectors.
+  constexpr bool SIMD = HAVE_SIMD_ATTENTION && D_FIXED > 0 && D_FIXED % 16 == 0 &&
+                        (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
   const int64_t B = query.size(0), Hq = query.size(1);
   const int64_t D = D_FIXED > 0 ? D_FIXED : query.size(2);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
@@ -251,7 +282,8 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
   const int64_t per = (Hkv + splits - 1) / splits;
 
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(per * G * D), accv(per * G * D), sv(per * G * bs), mv(per * G), lv(per * G), rowv(D);
+    // sc rows padded to whole 16-token chunks: the SIMD path stores scores 16 at a time.
+    std::vector<float> qv(per * G * D), accv(per * G * D), sv(per * G * bs + 16), mv(per * G), lv(per * G), rowv(D);
     float* __restrict__ q = qv.data();
     float* __restrict__ acc = accv.data();
     float* __restrict__ sc = sv.data();
@@ -279,15 +311,53 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
         const scalar_t* __restrict__ kb = k_ptr + base;
         const scalar_t* __restrict__ vb = v_ptr + base;
         const int64_t n = std::min(bs, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
+        if (t0 + bs < L) {  // the next block sits elsewhere in the cache: ask for its rows (our heads) now
+          const int64_t next = (int64_t(table[t0 / bs + 1]) * bs * Hkv + h0) * D;
+          const int64_t bytes = nh * D * int64_t(sizeof(scalar_t));
+          for (int64_t i = 0; i < bs; ++i)
+            for (int64_t o = 0; o < bytes; o += 64) {
+              __builtin_prefetch((const char*)(k_ptr + next + i * row_stride) + o);
+              __builtin_prefetch((const char*)(v_ptr + next + i * row_stride) + o);
+            }
+        }
+        if constexpr (SIMD) {
+#if HAVE_SIMD_ATTENTION
+          // Sixteen tokens at a time: each score's D products summed chunk by chunk into one vector,
+          // then the sixteen vectors reduced together (sum16): no reduction per score.
+          constexpr int C = D_FIXED / 16;
           for (int64_t hh = 0; hh < nh; ++hh) {
-            const scalar_t* __restrict__ k = kb + i * row_stride + hh * D;
-            for (int64_t d = 0; d < D; ++d) row[d] = to_f(k[d]);
-            for (int64_t g = 0; g < G; ++g) {
-              const float* __restrict__ qx = q + (hh * G + g) * D;
-              float s = 0.f;
-              for (int64_t d = 0; d < D; ++d) s += qx[d] * row[d];
-              sc[(hh * G + g) * bs + i] = s;
+            for (int64_t i0 = 0; i0 < n; i0 += 16) {
+              const int64_t nc = std::min<int64_t>(16, n - i0);
+              const scalar_t* __restrict__ k0 = kb + i0 * row_stride + hh * D;
+              for (int64_t g = 0; g < G; ++g) {
+                const int64_t x = hh * G + g;
+                __m512 qc[C], v[16];
+                for (int c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + x * D + 16 * c);
+                for (int64_t i = 0; i < 16; ++i) {
+                  if (i >= nc) {
+                    v[i] = _mm512_setzero_ps();
+                    continue;
+                  }
+                  const scalar_t* __restrict__ k = k0 + i * row_stride;
+                  v[i] = _mm512_mul_ps(qc[0], load16(k));
+                  for (int c = 1; c < C; ++c) v[i] = _mm512_fmadd_ps(qc[c], load16(k + 16 * c), v[i]);
+                }
+                _mm512_mask_storeu_ps(sc + x * bs + i0, (__mmask16)((1u << nc) - 1u), sum16(v));
+              }
+            }
+          }
+#endif
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t hh = 0; hh < nh; ++hh) {
+              const scalar_t* __restrict__ k = kb + i * row_stride + hh * D;
+              for (int64_t d = 0; d < D; ++d) row[d] = to_f(k[d]);
+              for (int64_t g = 0; g < G; ++g) {
+                const float* __restrict__ qx = q + (hh * G + g) * D;
+                float s = 0.f;
+                for (int64_t d = 0; d < D; ++d) s += qx[d] * row[d];
+                sc[(hh * G + g) * bs + i] = s;
+              }
             }
           }
         }
@@ -306,14 +376,34 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
           float* __restrict__ ax = acc + x * D;
           for (int64_t d = 0; d < D; ++d) ax[d] *= corr;
         }
-        for (int64_t i = 0; i < n; ++i) {
+        if constexpr (SIMD) {
+#if HAVE_SIMD_ATTENTION
+          // Each head's accumulator stays in registers across the block's V rows (widened once per head).
+          constexpr int C = D_FIXED / 16;
           for (int64_t hh = 0; hh < nh; ++hh) {
-            const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
-            for (int64_t d = 0; d < D; ++d) row[d] = to_f(v[d]);
             for (int64_t g = 0; g < G; ++g) {
-              const float p = sc[(hh * G + g) * bs + i];
-              float* __restrict__ ax = acc + (hh * G + g) * D;
-              for (int64_t d = 0; d < D; ++d) ax[d] += p * row[d];
+              const int64_t x = hh * G + g;
+              __m512 a[C];
+              for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + x * D + 16 * c);
+              for (int64_t i = 0; i < n; ++i) {
+                const __m512 p = _mm512_set1_ps(sc[x * bs + i]);
+                const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
+                for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), a[c]);
+              }
+              for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + x * D + 16 * c, a[c]);
+            }
+          }
+#endif
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t hh = 0; hh < nh; ++hh) {
+              const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
+              for (int64_t d = 0; d < D; ++d) row[d] = to_f(v[d]);
+              for (int64_t g = 0; g < G; ++g) {
+                const float p = sc[(hh * G + g) * bs + i];
+                float* __restrict__ ax = acc + (hh * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) ax[d] += p * row[d];
+              }
             }
           }
         }
