@@ -227,7 +227,6 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
 // ---- AVX-512 pieces of the attention op (head sizes that are multiples of 16, fp32 and bf16) ----
 #ifdef __AVX512F__
 #include <immintrin.h>
-#include <type_traits>
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the top half
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -282,8 +281,7 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
   const int64_t per = (Hkv + splits - 1) / splits;
 
   at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
-    // sc rows padded to whole 16-token chunks: the SIMD path stores scores 16 at a time.
-    std::vector<float> qv(per * G * D), accv(per * G * D), sv(per * G * bs + 16), mv(per * G), lv(per * G), rowv(D);
+    std::vector<float> qv(per * G * D), accv(per * G * D), sv(per * G * bs), mv(per * G), lv(per * G), rowv(D);
     float* __restrict__ q = qv.data();
     float* __restrict__ acc = accv.data();
     float* __restrict__ sc = sv.data();
