@@ -118,6 +118,26 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(llm):
     assert stop not in streamed and final.finish_reason == "stop"
 
 
+def test_stop_string_straddling_the_min_tokens_boundary_stops(llm):
+    # vLLM: stop strings are looked for once the output has more than min_tokens tokens, and one must end
+    # in the text of such a token, but it may begin in the text of the first min_tokens.
+    greedy = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12))[0]
+    text, ids = greedy.text, greedy.token_ids
+    ends = [len(llm.tokenizer.decode(ids[:n])) for n in range(len(ids) + 1)]
+    for m in range(2, 11):  # the stop string: last character of token m-1, all of token m, one more
+        start, stop = ends[m - 1] - 1, text[ends[m - 1] - 1 : ends[m] + 1]
+        if start >= 0 and ends[m - 1] < ends[m] < ends[m + 1] and text.find(stop) == start:
+            break
+    else:
+        pytest.fail(f"no stop string across three tokens in {text!r}")
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, min_tokens=m, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.text == text[:start]
+    # One that ends in token m (the last of min_tokens) is not a stop string.
+    inside = text[start : ends[m - 1] + 1]
+    out = llm.generate(PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, min_tokens=m, stop=[inside]))[0]
+    assert out.text.startswith(text[: ends[m - 1] + 1])
+
+
 def test_ignore_eos_keeps_generating(llm, demo_model_dir, tmp_path):
     # A copy of the demo checkpoint whose EOS is the token greedy decoding emits third.
     first = llm.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=6))[0]

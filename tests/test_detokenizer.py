@@ -260,6 +260,39 @@ def test_stop_strings_are_not_matched_while_check_stop_is_off():
     assert hit and sent == "the dog and "  # the first "the" came before min_tokens
 
 
+def test_a_stop_string_straddling_the_min_tokens_boundary_is_matched():
+    # vLLM: the stop string must end in text of a token after min_tokens, but may begin before it.
+    tok = byte_level()
+    ids = text_ids(tok, "the lazy dog jumps")
+    detok = IncrementalDetokenizer(tok, [], ["lazy dog"])
+    sent, hit = "", False
+    for k, i in enumerate(ids):
+        delta, hit = detok.update([i], check_stop=k >= 2)  # as with min_tokens=2: " dog" is the third token
+        sent += delta
+        if hit:
+            break
+    assert tok.decode(ids[:2]) == "the lazy"
+    assert hit and sent == "the "
+
+
+def test_a_stop_string_inside_the_first_min_tokens_is_not_matched_at_flush():
+    tok = byte_level()
+    detok = IncrementalDetokenizer(tok, [], ["lazy dog"])
+    sent = "".join(detok.update([i], check_stop=False)[0] for i in text_ids(tok, "the lazy dog"))
+    rest, hit = detok.flush(check_stop=False)  # finished (length) before min_tokens was reached
+    assert not hit and sent + rest == "the lazy dog"
+
+
+def test_text_from_before_min_tokens_stays_unchecked_across_steps_that_add_no_text():
+    tok = byte_fallback()
+    ids = tok.encode("lazy dog 🙂🙂").ids
+    n = len(tok.encode("lazy dog").ids)
+    assert tok.decode(ids[: n + 2]).endswith(REPLACEMENT)  # the emoji's bytes: steps that complete nothing
+    detok = IncrementalDetokenizer(tok, [], ["dog", "a longer stop string"])  # held text holds a "dog"
+    deltas = [detok.update([i], check_stop=k >= n)[0] for k, i in enumerate(ids)]
+    assert not detok.stopped and "".join(deltas) + detok.flush()[0] == tok.decode(ids)
+
+
 def test_a_stop_string_completed_at_flush_is_reported():
     tok = byte_fallback()
     ids = tok.encode("a 🙂").ids

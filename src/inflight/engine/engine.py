@@ -263,14 +263,14 @@ class LLMEngine:
             return []
         tokens = sampled.token_ids.tolist()
         logprobs = self._logprobs(seqs, sampled)
-        # vLLM's rules: a stop token's text is not output (unless include_stop_str_in_output), and stop
-        # strings are looked for only once the output has min_tokens tokens.
+        # vLLM's rules: a stop token's text is not output (unless include_stop_str_in_output), and a stop
+        # string must end in the text of a token after the first min_tokens (it may begin in theirs).
         stop_tok = [self._is_stop_token(seq, tok) for seq, tok in zip(seqs, tokens)]
         feed = [
             [] if st and not seq.sampling_params.include_stop_str_in_output else [tok]
             for seq, tok, st in zip(seqs, tokens, stop_tok)
         ]
-        check = [len(seq.output_token_ids) + 1 >= seq.sampling_params.min_tokens for seq in seqs]
+        check = [len(seq.output_token_ids) + 1 > seq.sampling_params.min_tokens for seq in seqs]
         deltas = detokenize_batch([self._detoks[s.request_id] for s in seqs], feed, check)
         outputs = []
         for i, (seq, tok, (text, stop_hit)) in enumerate(zip(seqs, tokens, deltas)):
@@ -294,7 +294,8 @@ class LLMEngine:
                 outputs.append(self._output(seq, text, [tok], new_lp, finished=False))
                 continue
             if not stop_hit:
-                rest, stop_hit = self._detoks[seq.request_id].flush()
+                past_min = len(seq.output_token_ids) > seq.sampling_params.min_tokens
+                rest, stop_hit = self._detoks[seq.request_id].flush(check_stop=past_min)
                 text += rest
                 if stop_hit:  # the held-back text completed a stop string after all
                     reason = FinishReason.STOP
@@ -305,7 +306,7 @@ class LLMEngine:
 
     def _is_stop_token(self, seq: Sequence, tok: int) -> bool:
         p = seq.sampling_params
-        if len(seq.output_token_ids) + 1 < p.min_tokens:
+        if len(seq.output_token_ids) + 1 <= p.min_tokens:  # as the sampler's mask (vLLM): the first min_tokens
             return False
         return (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids
 

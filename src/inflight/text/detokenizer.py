@@ -55,6 +55,9 @@ class IncrementalDetokenizer:
         self._marks = [0, self._read]
         self._out: list[str] = []  # emitted deltas
         self._pending = ""  # decoded text not emitted yet: it may begin a stop string
+        # How many leading characters of _pending came before stop strings were checked (min_tokens): a
+        # stop string may begin in them but must end after them, as in vLLM.
+        self._unchecked = 0
         self._stopped = False
 
     @property
@@ -70,7 +73,8 @@ class IncrementalDetokenizer:
 
     def update(self, new_token_ids: list[int], check_stop: bool = True) -> tuple[str, bool]:
         """Append tokens; return (text delta safe to emit now, stop_string_hit). With `check_stop`
-        False (before min_tokens) stop strings are not looked for and nothing is held back for them."""
+        False (within min_tokens) no stop string may end in the new text, but the text is still held
+        back, since a stop string that ends later may begin in it."""
         if self._stopped:
             return "", True
         self._push(new_token_ids)
@@ -78,16 +82,17 @@ class IncrementalDetokenizer:
             self._prefix_text = self._decode(self._window[: self._read])
         return self._consume(self._decode(self._window), check_stop=check_stop)
 
-    def flush(self) -> tuple[str, bool]:
+    def flush(self, check_stop: bool = True) -> tuple[str, bool]:
         """The request finished for another reason (length, eos, abort): release any held-back text.
-        Returns (text, stop_string_hit): the released text may still complete a stop string."""
+        Returns (text, stop_string_hit): the released text may still complete a stop string (only with
+        `check_stop`, i.e. past min_tokens)."""
         if self._stopped:
             return "", True
         if self._read < len(self._window):
             if self._prefix_text is None:
                 self._prefix_text = self._decode(self._window[: self._read])
-            return self._consume(self._decode(self._window), final=True)
-        return self._release(final=True)
+            return self._consume(self._decode(self._window), final=True, check_stop=check_stop)
+        return self._release(final=True, check_stop=check_stop)
 
     # -- a step is _push, decode, _consume: split so a batch can share one decode_batch call ------------
 
@@ -135,19 +140,22 @@ class IncrementalDetokenizer:
         pending = self._pending
         if not pending:
             return "", False
-        if self.stop and check_stop:
-            # Emitted text never ends inside a stop string's possible start, so a stop string can only
-            # begin in the pending text.
-            hit, end = -1, -1
-            for stop in self.stop:
-                i = pending.find(stop)
-                if i >= 0 and (hit < 0 or i < hit):
-                    hit, end = i, i + len(stop)
-            if hit >= 0:
-                self._stopped = True
-                self._pending = ""
-                return self._emit(pending[: end if self.include_stop_str_in_output else hit]), True
+        if self.stop:
+            if check_stop:
+                # Emitted text never ends inside a stop string's possible start, so a stop string can
+                # only begin in the pending text; it must end past the unchecked part.
+                hit, end = -1, -1
+                for stop in self.stop:
+                    i = pending.find(stop, max(0, self._unchecked - len(stop) + 1))
+                    if i >= 0 and (hit < 0 or i < hit):
+                        hit, end = i, i + len(stop)
+                if hit >= 0:
+                    self._stopped = True
+                    self._pending = ""
+                    return self._emit(pending[: end if self.include_stop_str_in_output else hit]), True
             held = 0 if final else min(self._max_hold, len(pending))
+            # Of the held text, what was unchecked stays so (a step may add no text: a partial character).
+            self._unchecked = max(0, self._unchecked - (len(pending) - held)) if check_stop else held
             if held:
                 self._pending = pending[-held:]
                 return self._emit(pending[:-held]), False
