@@ -53,7 +53,7 @@ def test_bad_engine_parameter_fails_model_load_naming_it(tmp_path):
 def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
     http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
     cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
-           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-num-seqs", "2", "--num-kv-blocks", "16",
+           "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-num-seqs", "2", "--num-kv-blocks", "6",
            "--max-model-len", "128", "--openai-port", str(api), "--openai-host", "127.0.0.1"]  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -69,7 +69,10 @@ def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
         from inflight_client import LLMClient
 
         assert LLMClient(f"localhost:{grpc}").generate("Hello", {"max_tokens": 4}).text
-        assert _openai_chat(f"http://127.0.0.1:{api}")
+        assert _openai_chat(f"http://127.0.0.1:{api}").choices[0].message.content
+        # No max_tokens: the default, the rest of the context, is capped by the KV cache's 96 tokens.
+        done = _openai_chat(f"http://127.0.0.1:{api}", max_tokens=None, extra_body={"ignore_eos": True})
+        assert done.choices[0].finish_reason == "length" and done.usage.total_tokens == 96
         started = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole foreground group
         assert proc.wait(timeout=30) == 0
@@ -83,12 +86,12 @@ def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
             urllib.request.urlopen(url, timeout=2)
 
 
-def _openai_chat(base_url: str) -> str:
+def _openai_chat(base_url: str, max_tokens: int | None = 4, **kwargs):
     import openai
 
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
     messages = [{"role": "user", "content": "Hello"}]
-    return client.chat.completions.create(model="llm", messages=messages, max_tokens=4).choices[0].message.content
+    return client.chat.completions.create(model="llm", messages=messages, max_tokens=max_tokens, **kwargs)
 
 
 def test_inflight_openai_fronts_a_running_triton_and_stops_on_ctrl_c(server, tmp_path):

@@ -272,7 +272,9 @@ def serve(
             from inflight.serving.openai import OpenAIServer
 
             try:
-                api = OpenAIServer(server.grpc_url, openai_port, openai_host, model_dir=model_dir).start()
+                api = OpenAIServer(
+                    server.grpc_url, openai_port, openai_host, model_dir=model_dir, metrics_url=server.metrics_url
+                ).start()
             except RuntimeError as e:
                 raise LauncherError(str(e)) from None
             print(f"inflight: OpenAI-compatible API on {api.url}/v1", file=sys.stderr, flush=True)

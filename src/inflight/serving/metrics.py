@@ -59,6 +59,11 @@ class TritonMetrics:
         self.prefix_cache_hits = make(
             "inflight_prefix_cache_hits_total", "Prompt tokens served from the prefix cache", counter
         )
+        # Static: what the OpenAI front reads to cap its default max_tokens (the engine rejects a request
+        # whose prompt + max_tokens the cache could never hold, which max_model_len alone does not bound).
+        self.kv_capacity = make(
+            "inflight_kv_cache_capacity_tokens", "Tokens the paged KV cache holds (num_kv_blocks x block_size)", gauge
+        )
         self.vllm_prefix_cache_queries = make(
             "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens", counter
         )

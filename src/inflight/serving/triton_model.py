@@ -174,6 +174,8 @@ class TritonPythonModel:
         self.tokenizer = load_tokenizer(settings.model_dir)  # the adapter's own: logprob text, off the engine
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = _make_metrics(labels)
+        if self.metrics is not None:
+            self.metrics.kv_capacity.set(self.engine.num_kv_blocks * self.engine.config.block_size)
         on_iteration = self.metrics.update if self.metrics is not None else None
         self.model_name = args["model_name"]
         self.loop = EngineLoop(self.engine, on_iteration, settings.step_log, on_broken=self._on_broken).start()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
@@ -37,6 +39,7 @@ from inflight.serving.openai.protocol import (
 from inflight.serving.openai.triton_stream import ModelError, ModelOutput, TritonLLM, TritonUnavailable
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|[A-Z]\w*)$")
 _JSON_SEPARATORS = (",", ":")
 
@@ -72,14 +75,19 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
 
 
 class Frontend:
-    """Shared state: the Triton client and what the served checkpoint says (read on first use)."""
+    """Shared state: the Triton client and what the served checkpoint and the model's limits say (read on
+    first use)."""
 
-    def __init__(self, llm: TritonLLM, served_model_name: str, model_dir: str | Path | None) -> None:
+    def __init__(
+        self, llm: TritonLLM, served_model_name: str, model_dir: str | Path | None, metrics_url: str | None = None
+    ) -> None:
         self.llm = llm
         self.served_model_name = served_model_name
         self.model_dir = Path(model_dir) if model_dir else None
+        self.metrics_url = metrics_url
         self.created = int(time.time())
         self._checkpoint: Checkpoint | None = None
+        self.kv_capacity: int | None = None  # tokens; the model's metrics say, if reachable
         self._lock = asyncio.Lock()
 
     async def checkpoint(self) -> Checkpoint:
@@ -94,10 +102,20 @@ class Frontend:
                     from inflight.demo_model import cached_demo_model
 
                     model_dir = await asyncio.to_thread(cached_demo_model)
+                if self.metrics_url:
+                    self.kv_capacity = await asyncio.to_thread(_kv_capacity, self.metrics_url, self.llm.model)
                 self._checkpoint = await asyncio.to_thread(
                     Checkpoint.load, model_dir, int(max_len) if max_len.strip().isdigit() else None
                 )
         return self._checkpoint
+
+    def default_max_tokens(self, checkpoint: Checkpoint, num_prompt_tokens: int | None) -> int | None:
+        """OpenAI's default: the rest of the context, which is also capped by what the KV cache holds
+        (the engine rejects a request that could never fit)."""
+        limits = [n for n in (checkpoint.max_model_len, self.kv_capacity) if n]
+        if not limits or num_prompt_tokens is None or num_prompt_tokens >= min(limits):
+            return None
+        return min(limits) - num_prompt_tokens
 
     def check_model(self, name: str) -> None:
         if name != self.served_model_name:
@@ -106,6 +124,21 @@ class Frontend:
                 "model",
                 "model_not_found",
             )
+
+
+def _kv_capacity(metrics_url: str, model: str) -> int | None:
+    """The model's `inflight_kv_cache_capacity_tokens` from Triton's Prometheus endpoint."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as reply:
+            text = reply.read().decode("utf-8", "replace")
+    except OSError as e:
+        log.warning("cannot read %s (%s): the default max_tokens is not capped by the KV cache", metrics_url, e)
+        return None
+    for m in re.finditer(r"^inflight_kv_cache_capacity_tokens\{([^}]*)\} (\S+)$", text, re.MULTILINE):
+        if f'model="{model}"' in m.group(1):
+            return int(float(m.group(2)))
+    log.warning("%s has no inflight_kv_cache_capacity_tokens for model %r", metrics_url, model)
+    return None
 
 
 def _dumps(obj: Any) -> str:
@@ -152,10 +185,8 @@ class _Run:
             except ChatTemplateError as e:
                 raise RequestError(str(e), "messages") from None
             max_tokens = body.requested_max_tokens
-            if max_tokens is None and checkpoint.max_model_len:  # OpenAI's default: the rest of the context
-                n = checkpoint.num_tokens(self.prompt)
-                if n is not None and n < checkpoint.max_model_len:
-                    max_tokens = checkpoint.max_model_len - n
+            if max_tokens is None:
+                max_tokens = frontend.default_max_tokens(checkpoint, checkpoint.num_tokens(self.prompt))
             self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             self.prompt = body.check()
@@ -278,13 +309,17 @@ def create_app(
     model: str = "llm",
     served_model_name: str | None = None,
     model_dir: str | Path | None = None,
+    metrics_url: str | None = None,
 ) -> FastAPI:
     """The ASGI app for Triton's gRPC endpoint `triton_url` (host:port), serving Triton model `model`.
 
     model_dir: the checkpoint whose chat template and tokenizer to use; default: the `model` parameter of
     the Triton model's config (the same machine), or the embedded demo model when that is empty.
+    metrics_url: Triton's Prometheus endpoint, where the model publishes its KV cache capacity (caps the
+    default max_tokens of chat requests); None: not read.
     """
-    frontend = Frontend(TritonLLM(triton_url, model, MODEL_FIELDS), served_model_name or model, model_dir)
+    llm = TritonLLM(triton_url, model, MODEL_FIELDS)
+    frontend = Frontend(llm, served_model_name or model, model_dir, metrics_url)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

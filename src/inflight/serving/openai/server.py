@@ -39,12 +39,12 @@ class OpenAIServer:
         model: str = "llm",
         served_model_name: str | None = None,
         model_dir: str | Path | None = None,
+        metrics_url: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
-        self._server = uvicorn.Server(
-            _config(triton_url, host, port, model=model, served_model_name=served_model_name, model_dir=model_dir)
-        )
+        kwargs = dict(model=model, served_model_name=served_model_name, model_dir=model_dir, metrics_url=metrics_url)
+        self._server = uvicorn.Server(_config(triton_url, host, port, **kwargs))
         self._thread: threading.Thread | None = None
 
     @property
