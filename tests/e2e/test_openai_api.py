@@ -176,6 +176,18 @@ def test_bad_request_gets_400_naming_the_field(oai, case, stream):
     assert oai.completions.create(model="llm", prompt="Hello", max_tokens=2).choices[0].text  # still serving
 
 
+def test_oversized_chat_is_refused_before_templating_naming_the_limit(oai):
+    # Many small messages: the front must bound what it templates and tokenizes on its event loop, before
+    # doing either (the model's own bound comes only after both).
+    limit = 16 * ENGINE_ARGS["max_model_len"]  # max_prompt_bytes' default
+    many = [{"role": "user", "content": "hi"}] * (limit // 8)
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.chat.completions.create(model="llm", messages=many, max_tokens=2)
+    error = info.value.body
+    assert error["param"] == "messages", error
+    assert error["message"].startswith("messages are ") and f"max_prompt_bytes={limit}" in error["message"]
+
+
 def test_completion_rejects_prompt_batches_and_token_ids(oai):
     for prompt in (["a", "b"], [1, 2, 3]):
         with pytest.raises(openai.BadRequestError) as info:

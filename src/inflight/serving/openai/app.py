@@ -88,6 +88,7 @@ class Frontend:
         self.created = int(time.time())
         self._checkpoint: Checkpoint | None = None
         self.kv_capacity: int | None = None  # tokens; the model's metrics say, if reachable
+        self.max_prompt_bytes: int | None = None  # the model's bound on prompt text (its config), if known
         self._lock = asyncio.Lock()
 
     async def checkpoint(self) -> Checkpoint:
@@ -97,6 +98,7 @@ class Frontend:
             if self._checkpoint is None:
                 params = await self.llm.parameters()  # raises TritonUnavailable
                 max_len = params.get("max_model_len", "")
+                max_bytes = params.get("max_prompt_bytes", "")
                 model_dir = self.model_dir or (Path(params["model"]) if params.get("model") else None)
                 if model_dir is None:  # the model serves the embedded demo checkpoint; the same bytes here
                     from inflight.demo_model import cached_demo_model
@@ -104,10 +106,30 @@ class Frontend:
                     model_dir = await asyncio.to_thread(cached_demo_model)
                 if self.metrics_url:
                     self.kv_capacity = await asyncio.to_thread(_kv_capacity, self.metrics_url, self.llm.model)
-                self._checkpoint = await asyncio.to_thread(
+                checkpoint = await asyncio.to_thread(
                     Checkpoint.load, model_dir, int(max_len) if max_len.strip().isdigit() else None
                 )
+                if max_bytes.strip().isdigit():
+                    self.max_prompt_bytes = int(max_bytes)
+                elif checkpoint.max_model_len:  # the engine's default
+                    self.max_prompt_bytes = 16 * checkpoint.max_model_len
+                self._checkpoint = checkpoint
         return self._checkpoint
+
+    def check_chat_size(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> None:
+        """Bound what the template and the tokenizer will get before either runs: the prompt they make is
+        at least as long as the messages' text, and the model refuses prompts over max_prompt_bytes."""
+        limit = self.max_prompt_bytes
+        if limit is None:
+            return
+        # Linear, as parsing the body was: every field the template may read counts.
+        size = len(json.dumps([messages, extra], ensure_ascii=False).encode("utf-8"))
+        if size > limit:
+            raise RequestError(
+                f"messages are {size} bytes (as JSON, roles and chat_template_kwargs included): the limit is "
+                f"max_prompt_bytes={limit}, the model's bound on the prompt they make",
+                "messages",
+            )
 
     def default_max_tokens(self, checkpoint: Checkpoint, num_prompt_tokens: int | None) -> int | None:
         """OpenAI's default: the rest of the context, which is also capped by what the KV cache holds
@@ -139,6 +161,17 @@ def _kv_capacity(metrics_url: str, model: str) -> int | None:
             return int(float(m.group(2)))
     log.warning("%s has no inflight_kv_cache_capacity_tokens for model %r", metrics_url, model)
     return None
+
+
+def _render(
+    checkpoint: Checkpoint, messages: list[dict[str, Any]], add_generation_prompt: bool, extra: dict, count: bool
+) -> tuple[str, int | None]:
+    """The chat prompt and (if `count`) its number of tokens."""
+    try:
+        prompt = checkpoint.chat_prompt(messages, add_generation_prompt, **extra)
+    except ChatTemplateError as e:
+        raise RequestError(str(e), "messages") from None
+    return prompt, checkpoint.num_tokens(prompt) if count else None
 
 
 def _dumps(obj: Any) -> str:
@@ -180,13 +213,15 @@ class _Run:
             checkpoint = await frontend.checkpoint()
             messages = [m.for_template() for m in body.messages]
             extra = body.chat_template_kwargs or {}
-            try:
-                self.prompt = checkpoint.chat_prompt(messages, body.add_generation_prompt, **extra)
-            except ChatTemplateError as e:
-                raise RequestError(str(e), "messages") from None
+            frontend.check_chat_size(messages, extra)
             max_tokens = body.requested_max_tokens
+            # Templating and tokenizing take time in the prompt's length: off the event loop, so that
+            # other clients' streams go on meanwhile.
+            self.prompt, num_tokens = await asyncio.to_thread(
+                _render, checkpoint, messages, body.add_generation_prompt, extra, max_tokens is None
+            )
             if max_tokens is None:
-                max_tokens = frontend.default_max_tokens(checkpoint, checkpoint.num_tokens(self.prompt))
+                max_tokens = frontend.default_max_tokens(checkpoint, num_tokens)
             self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             self.prompt = body.check()
