@@ -296,6 +296,7 @@ def test_grammar_that_never_compiles_fails_after_the_timeout(demo_model_dir, mon
     engine.add_request("stuck", "Hello", SamplingParams(max_tokens=4, guided_regex="a+"))
     stuck = engine._seqs["stuck"]
     future = cf.Future()
+    future.started = [time.monotonic()]  # a compile that began and never ends
     request = stuck.structured = StructuredRequest(StructuredOutputsParams(regex="a+"), future)
     engine.structured_outputs._pending = [stuck]
     engine.structured_outputs._cache[stuck.structured.params.key] = future
@@ -307,6 +308,42 @@ def test_grammar_that_never_compiles_fails_after_the_timeout(demo_model_dir, mon
     # A queued compile is dropped, and the timeout is no verdict on the grammar: the next request recompiles.
     assert future.cancelled() and not request.is_ready
     assert request.params.key not in engine.structured_outputs._cache
+
+
+def test_compile_timeout_counts_only_the_compile_not_the_queue(demo_model_dir, monkeypatch):
+    import threading
+
+    from inflight.engine import structured_output
+
+    manager = _engine(demo_model_dir).structured_outputs
+    manager.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)  # the pool exists now
+    gate = threading.Event()
+    busy = [manager._pool.submit(gate.wait) for _ in range(manager._max_workers)]  # other, slow compiles
+    try:
+        queued = manager.request(StructuredOutputsParams(regex="b+"))
+        monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.0)
+        assert queued.error() is None  # queued behind the others: it has not begun compiling
+        monkeypatch.setattr(structured_output, "COMPILE_QUEUE_TIMEOUT_S", 0.0)
+        waited = manager.request(StructuredOutputsParams(regex="c+"))
+        assert "waited over 0s for a grammar compiler" in waited.error() and waited.future.cancelled()
+    finally:
+        gate.set()
+    assert all(f.result(timeout=60) for f in busy) and queued.future.result(timeout=60) is not None
+    assert queued.error() is None and queued.is_ready
+    manager.close()
+
+
+def test_engine_close_shuts_the_compile_pool_down(demo_model_dir):
+    import threading
+
+    engine = _engine(demo_model_dir)
+    engine.structured_outputs.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)
+    workers = [t for t in threading.enumerate() if t.name.startswith("inflight-grammar")]
+    assert workers
+    engine.close()
+    for t in workers:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in workers)
 
 
 def test_padding_ids_past_the_tokenizer_are_never_allowed(demo_model_dir):

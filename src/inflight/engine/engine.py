@@ -202,6 +202,10 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
+    def close(self) -> None:
+        """Release the threads the engine started (the grammar compile pool); call once it no longer steps."""
+        self.structured_outputs.close()
+
     def snapshot(self) -> EngineSnapshot:
         c = self.counters
         return EngineSnapshot(

@@ -33,8 +33,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("inflight.engine.structured_output")
 
 # A grammar that takes longer than this to compile fails its request rather than wait forever (the
-# compile itself cannot be interrupted; its result still lands in the cache).
+# compile itself cannot be interrupted; its result still lands in the cache). Only the compile counts:
+# time queued behind other requests' compiles has its own, longer bound.
 COMPILE_TIMEOUT_S = 60.0
+COMPILE_QUEUE_TIMEOUT_S = 300.0
 _CACHE_ENTRIES = 256
 GRAMMAR_CACHE_BYTES = 256 << 20  # xgrammar's own compiled-grammar cache (vLLM's default bound)
 
@@ -51,6 +53,7 @@ class StructuredRequest:
     future: cf.Future
     submitted: float = field(default_factory=time.monotonic)
     matcher: xgrammar.GrammarMatcher | None = None
+    _why_cancelled: str | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -64,16 +67,26 @@ class StructuredRequest:
 
     def error(self) -> str | None:
         """Why this request cannot run, once that is known; None while compiling or when ready."""
-        timeout = f"structured_outputs.{self.params.kind}: grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s"
+        kind = self.params.kind
+        timeout = f"structured_outputs.{kind}: grammar compilation took over {COMPILE_TIMEOUT_S:.0f}s"
         if self.future.cancelled():
-            return timeout
+            return self._why_cancelled or timeout
         if self.future.done():
             exc = self.future.exception()
             return None if exc is None else str(exc)
-        waited = time.monotonic() - self.submitted
-        if waited > COMPILE_TIMEOUT_S:
-            self.future.cancel()  # a compile still queued is dropped; one running finishes unused
-            return timeout
+        now = time.monotonic()
+        started = getattr(self.future, "started", None)  # [start time] once a pool thread runs the compile
+        if started:
+            if now - started[0] > COMPILE_TIMEOUT_S:
+                self.future.cancel()  # no effect on a running compile: it finishes unused
+                return timeout
+        elif now - self.submitted > COMPILE_QUEUE_TIMEOUT_S:
+            self.future.cancel()  # still queued: dropped
+            self._why_cancelled = (
+                f"structured_outputs.{kind}: waited over {COMPILE_QUEUE_TIMEOUT_S:.0f}s for a grammar compiler "
+                "(busy with other requests' grammars); retry later"
+            )
+            return self._why_cancelled
         return None
 
     def get_matcher(self) -> xgrammar.GrammarMatcher:
@@ -118,7 +131,9 @@ class StructuredOutputManager:
         else:
             if self._pool is None:
                 self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="inflight-grammar")
-            fut = self._cache[key] = self._pool.submit(self._compile, params)
+            started: list[float] = []  # set by the pool thread when the compile begins
+            fut = self._cache[key] = self._pool.submit(self._compile, params, started)
+            fut.started = started  # type: ignore[attr-defined]
             while len(self._cache) > _CACHE_ENTRIES:
                 self._cache.popitem(last=False)
         return StructuredRequest(params, fut)
@@ -131,7 +146,8 @@ class StructuredOutputManager:
                 self._compiler = compiler
             return self._compiler
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
+    def _compile(self, params: StructuredOutputsParams, started: list[float]) -> Any:
+        started.append(time.monotonic())
         compiler = self._get_compiler()
         kind = params.kind
         if kind in ("json", "json_object"):
@@ -234,6 +250,8 @@ class StructuredOutputManager:
         return seq.structured is not None and seq.structured.get_matcher().is_terminated()
 
     def close(self) -> None:
+        """Drop queued compiles and let the pool's threads end (a running compile finishes first: it
+        cannot be interrupted). The manager compiles nothing after this."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 

@@ -236,6 +236,9 @@ class TritonPythonModel:
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.stop(timeout_s=10.0):
             log.warning("engine thread still busy after 10 s; leaving it behind")
+        engine = getattr(self, "engine", None)
+        if engine is not None:  # its grammar compile threads, which would keep the stub process alive
+            engine.close()
 
 
 def _make_metrics(labels: dict[str, str]) -> TritonMetrics | None:
