@@ -338,8 +338,8 @@ def test_engine_close_shuts_the_compile_pool_down(demo_model_dir):
 
     engine = _engine(demo_model_dir)
     engine.structured_outputs.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)
-    workers = [t for t in threading.enumerate() if t.name.startswith("inflight-grammar")]
-    assert workers
+    workers = list(engine.structured_outputs._pool._threads)  # this engine's (other tests leave theirs)
+    assert workers and all(t in threading.enumerate() for t in workers)
     engine.close()
     for t in workers:
         t.join(timeout=30)
