@@ -6,7 +6,8 @@ than in a batch; and on the skinny shapes of decode (1-32 rows) it ran the weigh
 bandwidth. Here each output sums its K products in order k = 0..K-1 into one fp32 accumulator, however
 many rows share the call and however they are tiled: a row's result is the same bits at any batch size,
 by construction. Measured against oneDNN's pre-packed weights on llama50m's shapes (quiet 2-core Zen 4,
-`loadtest/bench_gemm.py`): 1.3-1.8x faster at 1-8 rows, 1.1-1.3x at 16-64, parity at 256, in fp32 and bf16.
+two PASSIVE threads, `python -m loadtest.bench_gemm`): 1.1-1.6x faster at 1-8 rows, 0.8-1.5x at 64 (one
+shape slower), 0.92-1.06x at 256, in fp32 and bf16.
 
 Layout: panels of 48 outputs (three 16-lane vectors), zero-padded past N. fp32: [P][K][48]; bf16:
 [P][K/2][48][2], the pairs `vdpbf16ps` multiplies. The micro-kernel holds 8 rows x 48 outputs in 24

@@ -76,7 +76,7 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fuse_projections()
-    # CPU bf16 only; a no-op elsewhere. A tied lm_head stays as it is: packing would copy the embedding.
+    # CPU fp32/bf16 only; a no-op elsewhere. A tied lm_head stays as it is: packing would copy the embedding.
     pack_linears(model, skip={model.lm_head} if cfg.tie_word_embeddings else set())
     model.eval().requires_grad_(False)
     return model, cfg
