@@ -53,3 +53,45 @@ def test_small_steps_run_on_one_thread_when_openmp_threads_sleep(demo_model_dir,
     other = [t + 300 for t in long_prompt]  # not the same prompt: no prefix-cache hit to shrink it
     llm.generate([other], SamplingParams(max_tokens=1, ignore_eos=True))
     assert seen[-1] == (len(other), before)
+
+
+def test_thread_chooser_starts_from_the_rule_and_keeps_what_measured_faster():
+    from inflight.executor.model_runner import ThreadChooser
+
+    chooser = ThreadChooser(max_threads=2, single_below=10, explore_every=4)
+    picks = []
+    for _ in range(8):  # 6 tokens a step: the rule says one thread; every 4th step tries two
+        threads = chooser.choose(6)
+        picks.append(threads)
+        chooser.record(6, threads, 0.010 if threads == 2 else 0.020)  # here two threads are faster
+    assert picks[:4] == [1, 1, 1, 2]  # the rule, then one exploration
+    assert picks[4:] == [2, 2, 2, 1]  # two measured faster: kept; one is now the one explored
+    assert chooser.choose(300) == 2 and chooser.best(300) == 2  # another bucket: its own rule
+    assert chooser.best(7) == 2  # 6 and 7 tokens share a bucket
+
+
+def test_outputs_do_not_depend_on_the_thread_count(demo_model_dir, monkeypatch):
+    """The chooser may run any step on one thread or on all: the logits must be the same bits (bf16,
+    prompts and decode steps), or greedy outputs would depend on timing."""
+    import torch
+    from helpers import PROMPTS, capture_logits
+
+    from inflight import LLM
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: nothing to choose")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    llm = LLM(
+        demo_model_dir, dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False
+    )
+    runner = llm.engine.runner
+    captured = capture_logits(llm.engine)
+    runs = {}
+    for threads in (1, torch.get_num_threads()):
+        monkeypatch.setattr(runner.threads, "choose", lambda tokens, t=threads: t)
+        captured.clear()
+        llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        runs[threads] = [logits for _, _, logits in captured]  # step order: the same schedule both times
+    one, many = runs.values()
+    assert len(one) == len(many) > 8
+    assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))

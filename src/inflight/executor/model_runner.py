@@ -38,8 +38,47 @@ class ModelOutput:
 # runs faster on the calling thread alone. Measured, quiet 2-core machine, decode step on one thread vs
 # two: llama50m bf16 13.3 vs 19.4 ms at batch 1, 13.9 vs 18.3 at 4, 23.0 vs 28.2 at 16, 53.7 vs 41.2 at
 # 32; the demo model (0.74M weights a layer) 1.8 vs 3.4 ms at batch 1, 6.7 vs 6.3 at 32. The same
-# bound applies to the output layer when it is bigger than a layer.
+# bound applies to the output layer when it is bigger than a layer. This is only where ThreadChooser
+# starts: on another host (session 4: ~0.3 ms a wake-up) bf16's crossover was 48-64 tokens.
 SINGLE_THREAD_LAYER_MACS = 32e6
+
+
+class ThreadChooser:
+    """The forward's thread count per step size, chosen from measured step times.
+
+    Whether a second core pays for a step depends on the step's size, the dtype and the host (how long a
+    sleeping OpenMP thread takes to wake: 0.03-0.3 ms on this project's VMs). Steps are bucketed by token
+    count (powers of two); a bucket starts from the static rule (`single_below` tokens), runs the other
+    count every `explore_every`-th step, and keeps whichever has the lower moving average of seconds per
+    step. Outputs do not depend on the thread count (every CPU op sums each row in a fixed order; tested),
+    so the choice moves time only.
+    """
+
+    def __init__(self, max_threads: int, single_below: int, explore_every: int = 16, alpha: float = 0.25) -> None:
+        self.max_threads, self.single_below = max_threads, single_below
+        self.explore_every, self.alpha = explore_every, alpha
+        self._steps: dict[int, int] = {}
+        self._ema: dict[tuple[int, int], float] = {}
+
+    def best(self, tokens: int) -> int:
+        bucket = tokens.bit_length()
+        one, many = self._ema.get((bucket, 1)), self._ema.get((bucket, self.max_threads))
+        if one is None or many is None:
+            return 1 if tokens < self.single_below else self.max_threads
+        return 1 if one <= many else self.max_threads
+
+    def choose(self, tokens: int) -> int:
+        bucket = tokens.bit_length()
+        self._steps[bucket] = self._steps.get(bucket, 0) + 1
+        best = self.best(tokens)
+        if self._steps[bucket] % self.explore_every == 0:
+            return self.max_threads if best == 1 else 1
+        return best
+
+    def record(self, tokens: int, threads: int, seconds: float) -> None:
+        key = (tokens.bit_length(), threads)
+        old = self._ema.get(key)
+        self._ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
 
 
 class ModelRunner:
@@ -76,12 +115,13 @@ class ModelRunner:
         # 3.2M): it alone decides there (measured: one thread for its small steps lost 20% of llama32k's
         # fp32 throughput in make bench-peers).
         head = model.cfg.hidden_size * model.cfg.vocab_size
-        # Below this many tokens a step runs on one thread (0: never; CPU with sleeping OpenMP threads only).
+        # Below this many tokens a step starts on one thread (0: never; CPU with sleeping OpenMP threads only).
         self.single_thread_tokens = (
             int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights, head))
             if device.type == "cpu" and passive and self.max_threads > 1
             else 0
         )
+        self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens) if self.single_thread_tokens else None
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
@@ -97,22 +137,26 @@ class ModelRunner:
         meta, sample_rows = inputs.attn_metadata, inputs.sample_rows
         # The thread count is process-wide: put it back after the forward, so that nothing else (the
         # sampler, another engine in this process, the caller's own torch work) inherits one thread.
-        single = 0 < len(inputs.input_ids) < self.single_thread_tokens
-        if single:
-            torch.set_num_threads(1)
+        tokens = len(inputs.input_ids)
+        threads = self.threads.choose(tokens) if self.threads and tokens else self.max_threads
+        if threads != self.max_threads:
+            torch.set_num_threads(threads)
         try:
             t0 = time.perf_counter()
             hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.ops)
             last = torch.from_numpy(meta.query_start_loc_np[1:][sample_rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last])
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+            forward_time = time.perf_counter() - t0
         finally:
-            if single:
+            if threads != self.max_threads:
                 torch.set_num_threads(self.max_threads)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
+        if self.threads and tokens:
+            self.threads.record(tokens, threads, forward_time)
         return ModelOutput(
             logits=logits,
             sample_rows=sample_rows,
-            forward_time_s=time.perf_counter() - t0,
+            forward_time_s=forward_time,
             sampling_metadata=self.input_batch.sampling_metadata(sample_rows),
         )
