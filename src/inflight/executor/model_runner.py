@@ -115,13 +115,11 @@ class ModelRunner:
         # 3.2M): it alone decides there (measured: one thread for its small steps lost 20% of llama32k's
         # fp32 throughput in make bench-peers).
         head = model.cfg.hidden_size * model.cfg.vocab_size
-        # Below this many tokens a step starts on one thread (0: never; CPU with sleeping OpenMP threads only).
-        self.single_thread_tokens = (
-            int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights, head))
-            if device.type == "cpu" and passive and self.max_threads > 1
-            else 0
-        )
-        self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens) if self.single_thread_tokens else None
+        # CPU with sleeping OpenMP threads only: below this many tokens a step starts on one thread (0: none
+        # does), and the chooser measures from there (a big model's small steps may still be faster alone).
+        adaptive = device.type == "cpu" and passive and self.max_threads > 1
+        self.single_thread_tokens = int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights, head)) if adaptive else 0
+        self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens) if adaptive else None
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
