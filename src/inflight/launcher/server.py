@@ -8,6 +8,7 @@ free of Triton's __pycache__ and per-run edits.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -30,6 +31,10 @@ from inflight.launcher.triton_dist import LauncherError, find_server, prepare_ba
 __all__ = ["LauncherError", "TritonServer", "free_port", "serve", "write_model_repository"]
 
 MODEL_NAME = "llm"
+# `serve` checks the model's readiness this often and exits after this many failures in a row.
+MODEL_CHECK_INTERVAL_S = 1.0
+MODEL_CHECKS_BEFORE_EXIT = 3
+MODEL_GONE_EXIT_CODE = 3
 _REPOSITORY_KEY = "inflight-repository-key"
 
 
@@ -192,6 +197,21 @@ class TritonServer:
             time.sleep(0.25)
         raise LauncherError(f"'{model}' not ready after {timeout_s:.0f}s{self._tail()}")
 
+    def model_state(self, model: str = MODEL_NAME) -> str | None:
+        """The model's state in the repository index (READY, LOADING, UNLOADING, UNAVAILABLE), None if unknown."""
+        request = urllib.request.Request(
+            f"{self.http_url}/v2/repository/index",
+            data=b"{}",
+            headers={_REPOSITORY_KEY: self._repository_secret, "Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=2) as resp:
+                index = json.loads(resp.read())
+        except (urllib.error.URLError, OSError, ValueError):
+            return None
+        return next((m.get("state") for m in index if m.get("name") == model), "UNAVAILABLE")
+
     def _tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.is_file():
             return ""
@@ -278,14 +298,32 @@ def serve(
             except RuntimeError as e:
                 raise LauncherError(str(e)) from None
             print(f"inflight: OpenAI-compatible API on {api.url}/v1", file=sys.stderr, flush=True)
+        # The model unloads itself when its engine cannot recover; tritonserver stays up (its server-level
+        # readiness may stay true), so the model's own readiness is what says this process is still useful.
+        # Loading (which may take minutes) is not gone; a failed load ends tritonserver itself.
+        unready, next_check = 0, time.monotonic() + MODEL_CHECK_INTERVAL_S
         while not stop_requested and server.process is not None and server.process.poll() is None:
             time.sleep(0.2)
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + MODEL_CHECK_INTERVAL_S
+                gone = server.model_state() in ("UNLOADING", "UNAVAILABLE")
+                unready = unready + 1 if gone else 0
+                if unready >= MODEL_CHECKS_BEFORE_EXIT:
+                    print(
+                        f"inflight: model {MODEL_NAME!r} is no longer ready (it unloads itself when its engine "
+                        f"cannot recover; see the log above); stopping with exit code {MODEL_GONE_EXIT_CODE}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    break
         if stop_requested:
             print("inflight: stopping tritonserver ...", file=sys.stderr, flush=True)
         if api is not None:  # first: its open streams are cancelled while Triton still runs
             api.stop()
             api = None
         code = server.stop()
+        if unready >= MODEL_CHECKS_BEFORE_EXIT:
+            return MODEL_GONE_EXIT_CODE
         return 0 if stop_requested else (code or 0)
     finally:
         for s, handler in previous.items():
