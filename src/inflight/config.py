@@ -30,9 +30,9 @@ def _default_kv_bytes() -> int:
 def cpu_bf16_feature() -> str | None:
     """The CPU feature that makes bf16 pay on this machine (AMX or AVX512-BF16 GEMMs), or None.
 
-    With either, oneDNN runs bf16 GEMMs natively: measured 1.3-3.6x faster than fp32 on an AMD EPYC
-    with AVX512-BF16 (batch 1 to a 256-token prefill, docs/PERFORMANCE.md). Without them bf16 is
-    emulated through fp32 conversions and is slower than plain fp32.
+    With either, the GEMMs run bf16 natively (our own with AVX512-BF16, oneDNN's elsewhere): measured 1.3-3.6x
+    faster than fp32 on an AMD EPYC with AVX512-BF16 (batch 1 to a 256-token prefill, docs/PERFORMANCE.md).
+    Without them bf16 is emulated through fp32 conversions and is slower than plain fp32.
     """
     caps = torch.cpu.get_capabilities()  # cpuinfo's CPUID flags: /proc/cpuinfo's amx_bf16, avx512_bf16
     return next((flag for flag in ("amx_bf16", "avx512_bf16") if caps.get(flag)), None)

@@ -301,14 +301,14 @@ def serve(
         # The model unloads itself when its engine cannot recover; tritonserver stays up (its server-level
         # readiness may stay true), so the model's own readiness is what says this process is still useful.
         # Loading (which may take minutes) is not gone; a failed load ends tritonserver itself.
-        unready, next_check = 0, time.monotonic() + MODEL_CHECK_INTERVAL_S
+        unready, model_gone, next_check = 0, False, time.monotonic() + MODEL_CHECK_INTERVAL_S
         while not stop_requested and server.process is not None and server.process.poll() is None:
             time.sleep(0.2)
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + MODEL_CHECK_INTERVAL_S
-                gone = server.model_state() in ("UNLOADING", "UNAVAILABLE")
-                unready = unready + 1 if gone else 0
-                if unready >= MODEL_CHECKS_BEFORE_EXIT:
+                unready = unready + 1 if server.model_state() in ("UNLOADING", "UNAVAILABLE") else 0
+                model_gone = unready >= MODEL_CHECKS_BEFORE_EXIT
+                if model_gone:
                     print(
                         f"inflight: model {MODEL_NAME!r} is no longer ready (it unloads itself when its engine "
                         f"cannot recover; see the log above); stopping with exit code {MODEL_GONE_EXIT_CODE}",
@@ -322,7 +322,7 @@ def serve(
             api.stop()
             api = None
         code = server.stop()
-        if unready >= MODEL_CHECKS_BEFORE_EXIT:
+        if model_gone:
             return MODEL_GONE_EXIT_CODE
         return 0 if stop_requested else (code or 0)
     finally:

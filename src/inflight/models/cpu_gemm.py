@@ -186,9 +186,14 @@ _FUNCTIONS = ["linear", "supports_f32", "supports_bf16"]
 MIN_MACS_PER_THREAD = 1 << 18
 
 
+_module: Any = None
+
+
 def load() -> Any:
     """The compiled module, or None if this machine cannot build it (logged once)."""
-    return native_build.build("inflight_cpu_gemm", _SOURCE, _FUNCTIONS)
+    global _module
+    _module = native_build.build("inflight_cpu_gemm", _SOURCE, _FUNCTIONS)
+    return _module
 
 
 def supports(dtype: torch.dtype, in_features: int) -> bool:
@@ -214,6 +219,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] (rows contiguous) @ the packed weight^T + bias -> [M, out_features], in x's dtype."""
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-    with native_build.record("linear"):
-        load().linear(out, x, packed, bias, MIN_MACS_PER_THREAD)
+    with native_build.record("linear"):  # the module is loaded once packing asked supports(): no lock per call
+        (_module or load()).linear(out, x, packed, bias, MIN_MACS_PER_THREAD)
     return out
