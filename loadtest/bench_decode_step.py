@@ -10,6 +10,10 @@ the same dtype. Both are printed with the step times and their ratios. A third f
 the time to read every row's cached K/V once at that bandwidth: on a CPU the same cores run the GEMMs
 and then the attention, so at batch 64 x 300 tokens the KV reads (which the compute floor leaves out)
 cost a third as much again.
+
+Where the runner runs the layer stack as one C++ call (executor/cpu_forward.py), each step is also timed
+op by op (`LlamaForCausalLM.forward`, what that call replaces), the two taking turns: `per-op` and the
+ratio to the runner's time.
 """
 
 from __future__ import annotations
@@ -54,33 +58,48 @@ def batch_metadata(seq_lens: list[int], query_lens: list[int], block_size: int, 
     return torch.from_numpy(positions).to(device), meta, int(nblk.sum())
 
 
-def time_step(runner: ModelRunner, seq_lens, query_lens, repeats: int) -> float:
-    """Median seconds of one forward (all layers + logits of the last token of each sequence)."""
+def _forward(runner: ModelRunner, path: str):
+    if path == "per_op":  # LlamaForCausalLM.forward op by op, what cpu_forward replaces
+        return lambda ids, positions, meta: runner.model(ids, positions, meta, runner.kv_caches, runner.ops)
+    return runner.forward
+
+
+def paths(runner: ModelRunner) -> list[str]:
+    """The runner's own forward, and the per-op path too where the runner uses cpu_forward."""
+    return ["runner", "per_op"] if runner.cpu_forward is not None else ["runner"]
+
+
+def time_step(runner: ModelRunner, seq_lens, query_lens, repeats: int) -> dict[str, float]:
+    """Median seconds of one forward (all layers + logits of the last token of each sequence) per path,
+    the paths taking turns so that a noisy minute hits both alike."""
     positions, meta0, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
     ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),))
     last = torch.from_numpy(meta0.query_start_loc_np[1:] - 1)
-    times = []
+    times: dict[str, list[float]] = {path: [] for path in paths(runner)}
     with torch.inference_mode():
         for i in range(repeats + 1):
-            meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]  # fresh per-step cache
-            t0 = time.perf_counter()
-            hidden = runner.model(ids, positions, meta, runner.kv_caches, runner.ops)
-            runner.model.compute_logits(hidden[last])
-            if i:  # the first is a warm-up
-                times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+            for path, seconds in times.items():
+                forward = _forward(runner, path)
+                meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]  # fresh cache
+                t0 = time.perf_counter()
+                hidden = forward(ids, positions, meta)
+                runner.model.compute_logits(hidden[last])
+                if i:  # the first is a warm-up
+                    seconds.append(time.perf_counter() - t0)
+    return {path: float(np.median(seconds)) for path, seconds in times.items()}
 
 
-def profile_step(runner: ModelRunner, seq_lens, query_lens, top: int = 12) -> dict[str, Any]:
+def profile_step(runner: ModelRunner, seq_lens, query_lens, top: int = 12, path: str = "runner") -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     positions, meta, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
     ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),))
+    forward = _forward(runner, path)
     with torch.inference_mode():
-        runner.model(ids, positions, meta, runner.kv_caches, runner.ops)
+        forward(ids, positions, meta)
         meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            hidden = runner.model(ids, positions, meta, runner.kv_caches, runner.ops)
+            hidden = forward(ids, positions, meta)
             runner.model.compute_logits(hidden[torch.from_numpy(meta.query_start_loc_np[1:] - 1)])
     events = prof.key_averages()
     # Top-level ops only (an op called from inside another op is not a separate dispatch): aten ops and
@@ -137,9 +156,16 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         weight_bytes = (matmul_params + norms) * elem  # what one decode step must read (not the embedding table)
         bandwidth, flops = measure_floors(dtype)
         attn_flops_per_row = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * ctx
-        row = {"dtype": dtype_name, "bandwidth_GBps": bandwidth / 1e9, "gemm_GFLOPs": flops / 1e9, "steps": []}
+        row = {
+            "dtype": dtype_name,
+            "layer_stack": "cpu_forward" if runner.cpu_forward else "per_op",
+            "bandwidth_GBps": bandwidth / 1e9,
+            "gemm_GFLOPs": flops / 1e9,
+            "steps": [],
+        }
         for b in args.batch:
-            t = time_step(runner, [ctx] * b, [1] * b, args.repeats)
+            both = time_step(runner, [ctx] * b, [1] * b, args.repeats)
+            t = both["runner"]
             bw_floor = weight_bytes / bandwidth
             compute_floor = b * (2 * matmul_params + attn_flops_per_row) / flops
             floor = max(bw_floor, compute_floor)
@@ -155,14 +181,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "bound": "weights" if bw_floor >= compute_floor else "compute",
                     "floor_with_kv_ms": floor_kv * 1e3,
                     "x_floor_with_kv": t / floor_kv,
+                    "per_op_ms": both["per_op"] * 1e3 if "per_op" in both else None,
                 }
             )
         if args.prefill:
-            t = time_step(runner, [args.prefill], [args.prefill], max(2, args.repeats // 4))
+            t = time_step(runner, [args.prefill], [args.prefill], max(2, args.repeats // 4))["runner"]
             floor = args.prefill * 2 * matmul_params / flops
             row["prefill"] = {"tokens": args.prefill, "ms": t * 1e3, "floor_ms": floor * 1e3, "x_floor": t / floor}
         if args.profile:
-            row["profile_decode"] = profile_step(runner, [ctx] * args.profile_batch, [1] * args.profile_batch)
+            for path in paths(runner):
+                key = "profile_decode" if path == "runner" else f"profile_decode_{path}"
+                row[key] = profile_step(runner, [ctx] * args.profile_batch, [1] * args.profile_batch, path=path)
         results.append(row)
         print_row(row)
     return results
@@ -175,14 +204,16 @@ def print_row(row: dict[str, Any]) -> None:
             f"  decode batch {s['batch']:>3} ctx {s['context']}: {s['ms']:7.2f} ms  floor {s['floor_ms']:6.2f} ms "
             f"({s['bound']})  {s['x_floor']:.2f}x floor  | +kv {s['floor_with_kv_ms']:6.2f} ms "
             f"{s['x_floor_with_kv']:.2f}x"
+            + (f"  | per-op {s['per_op_ms']:7.2f} ms ({s['per_op_ms'] / s['ms']:.2f}x)" if s["per_op_ms"] else "")
         )
     if "prefill" in row:
         p = row["prefill"]
         print(f"  prefill {p['tokens']} tokens: {p['ms']:.1f} ms  floor {p['floor_ms']:.1f} ms  {p['x_floor']:.2f}x")
-    if "profile_decode" in row:
-        prof = row["profile_decode"]
-        print(f"  top-level ops per decode step: {prof['top_level_ops']}; counts {prof['op_counts']}")
-        print(f"  self-time share: {prof['self_time_share']}")
+    for key in ("profile_decode", "profile_decode_per_op"):
+        if key in row:
+            prof, name = row[key], row["layer_stack"] if key == "profile_decode" else "per_op"
+            print(f"  {name}: top-level ops per decode step: {prof['top_level_ops']}; counts {prof['op_counts']}")
+            print(f"  {name}: self-time share: {prof['self_time_share']}")
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:

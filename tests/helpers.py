@@ -48,36 +48,26 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
-class _LogitsRecorder:
-    """Stands in for the runner's model: forwards unchanged, and keeps the logits of every position."""
-
-    def __init__(self, model) -> None:
-        self.model = model
-        self.last: tuple[list[int], list[int], torch.Tensor] | None = None
-
-    def __call__(self, input_ids, positions, meta, kv_caches, ops):
-        hidden = self.model(input_ids, positions, meta, kv_caches, ops)
-        self.last = (positions.tolist(), meta.query_start_loc_np.tolist(), self.model.compute_logits(hidden).clone())
-        return hidden
-
-    def __getattr__(self, name: str):
-        return getattr(self.model, name)
-
-
 def capture_logits(engine) -> list[tuple[str, list[int], torch.Tensor]]:
     """Wrap `engine.runner` so every step records (request_id, positions, logits [n, V]) per scheduled
     sequence; returns the list it appends to. Production code carries no test hook for this."""
     captured: list[tuple[str, list[int], torch.Tensor]] = []
     runner = engine.runner
-    recorder = runner.model = _LogitsRecorder(runner.model)
-    execute = runner.execute
+    forward, execute = runner.forward, runner.execute
+    last: list[tuple[list[int], list[int], torch.Tensor]] = []
+
+    def recording_forward(input_ids, positions, meta):
+        hidden = forward(input_ids, positions, meta)
+        last[:] = [(positions.tolist(), meta.query_start_loc_np.tolist(), runner.model.compute_logits(hidden).clone())]
+        return hidden
 
     def recording_execute(sched):
         out = execute(sched)
-        positions, qsl, logits = recorder.last
+        positions, qsl, logits = last[0]
         for i, seq in enumerate(sched.seqs):
             captured.append((seq.request_id, positions[qsl[i] : qsl[i + 1]], logits[qsl[i] : qsl[i + 1]]))
         return out
 
+    runner.forward = recording_forward
     runner.execute = recording_execute
     return captured

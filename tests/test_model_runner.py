@@ -24,27 +24,30 @@ def test_a_block_table_too_short_for_its_tokens_is_refused(demo_model_dir):
 
 
 def test_small_steps_run_on_one_thread_when_openmp_threads_sleep(demo_model_dir, monkeypatch):
-    """PASSIVE OpenMP threads pay a wake-up per op: a step with few tokens runs its forward on the calling
-    thread, a big one on every thread; the process-wide count is put back after each forward."""
+    """The per-op path (no cpu_forward): PASSIVE OpenMP threads pay a wake-up per op, so a step with few
+    tokens runs its forward on the calling thread, a big one on every thread; the process-wide count is
+    put back after each forward."""
     import torch
 
     from inflight import LLM
+    from inflight.executor.cpu_forward import CpuForward
 
     before = torch.get_num_threads()
     if before < 2:
         pytest.skip("one core: nothing to choose")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setattr(CpuForward, "supported", staticmethod(lambda model, ops: False))
     llm = LLM(demo_model_dir, num_kv_blocks=64, max_num_batched_tokens=256)
     runner = llm.engine.runner
-    assert 1 < runner.single_thread_tokens < 256
+    assert runner.cpu_forward is None and 1 < runner.single_thread_tokens < 256
     seen = []
-    forward = runner.model.forward
+    forward = runner.forward
 
     def spy(input_ids, *args):
         seen.append((len(input_ids), torch.get_num_threads()))
         return forward(input_ids, *args)
 
-    monkeypatch.setattr(runner.model, "forward", spy)
+    monkeypatch.setattr(runner, "forward", spy)
     long_prompt = list(range(5, 5 + runner.single_thread_tokens + 20))
     llm.generate([long_prompt], SamplingParams(max_tokens=3, ignore_eos=True))
     assert seen[0] == (len(long_prompt), before)  # the prompt: every thread
@@ -53,6 +56,33 @@ def test_small_steps_run_on_one_thread_when_openmp_threads_sleep(demo_model_dir,
     other = [t + 300 for t in long_prompt]  # not the same prompt: no prefix-cache hit to shrink it
     llm.generate([other], SamplingParams(max_tokens=1, ignore_eos=True))
     assert seen[-1] == (len(other), before)
+
+
+def test_the_layer_stack_in_one_call_runs_every_step_on_every_thread(demo_model_dir, monkeypatch):
+    """cpu_forward wakes the threads once a step: no step is sent to one thread, however small."""
+    import torch
+
+    from inflight import LLM
+    from inflight.executor.cpu_forward import CpuForward
+
+    if torch.get_num_threads() < 2:
+        pytest.skip("one core: nothing to choose")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    llm = LLM(demo_model_dir, num_kv_blocks=64, max_num_batched_tokens=256)
+    runner = llm.engine.runner
+    if not CpuForward.supported(runner.model, runner.ops):
+        pytest.skip("no AVX-512 GEMM on this CPU: the per-op path runs")
+    assert runner.cpu_forward is not None and runner.threads is None
+    seen = []
+    forward = runner.cpu_forward.__call__
+
+    def spy(input_ids, *args):
+        seen.append(torch.get_num_threads())
+        return forward(input_ids, *args)
+
+    monkeypatch.setattr(runner, "cpu_forward", spy)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert seen == [torch.get_num_threads()] * 3
 
 
 def test_thread_chooser_starts_from_the_rule_and_keeps_what_measured_faster():
@@ -70,28 +100,40 @@ def test_thread_chooser_starts_from_the_rule_and_keeps_what_measured_faster():
     assert chooser.best(7) == 2  # 6 and 7 tokens share a bucket
 
 
-def test_outputs_do_not_depend_on_the_thread_count(demo_model_dir, monkeypatch):
-    """The chooser may run any step on one thread or on all: the logits must be the same bits (bf16,
-    prompts and decode steps), or greedy outputs would depend on timing."""
+@pytest.mark.parametrize("layer_stack", ["cpu_forward", "per_op"])
+def test_outputs_do_not_depend_on_the_thread_count(demo_model_dir, monkeypatch, layer_stack):
+    """A step may run on one thread or on all (the chooser, or another host's core count): the logits must
+    be the same bits (bf16, prompts and decode steps), or greedy outputs would depend on timing."""
     import torch
     from helpers import PROMPTS, capture_logits
 
     from inflight import LLM
+    from inflight.executor.cpu_forward import CpuForward
 
-    if torch.get_num_threads() < 2:
+    before = torch.get_num_threads()
+    if before < 2:
         pytest.skip("one core: nothing to choose")
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    if layer_stack == "per_op":
+        monkeypatch.setattr(CpuForward, "supported", staticmethod(lambda model, ops: False))
     llm = LLM(
         demo_model_dir, dtype="bfloat16", num_kv_blocks=64, max_num_batched_tokens=64, enable_prefix_caching=False
     )
     runner = llm.engine.runner
+    if layer_stack == "cpu_forward" and runner.cpu_forward is None:
+        pytest.skip("no AVX-512 GEMM on this CPU: the per-op path runs")
+    runner.threads = None  # the count is set here, for every step
     captured = capture_logits(llm.engine)
     runs = {}
-    for threads in (1, torch.get_num_threads()):
-        monkeypatch.setattr(runner.threads, "choose", lambda tokens, t=threads: t)
-        captured.clear()
-        llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
-        runs[threads] = [logits for _, _, logits in captured]  # step order: the same schedule both times
+    try:
+        for threads in (1, before):
+            torch.set_num_threads(threads)
+            runner.max_threads = threads
+            captured.clear()
+            llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+            runs[threads] = [logits for _, _, logits in captured]  # step order: the same schedule both times
+    finally:
+        torch.set_num_threads(before)
     one, many = runs.values()
     assert len(one) == len(many) > 8
     assert all(torch.equal(a, b) for a, b in zip(one, many, strict=True))

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from inflight.executor.attention import get_backend
+from inflight.executor.attention import AttentionMetadata, get_backend
+from inflight.executor.cpu_forward import CpuForward
 from inflight.executor.input_batch import BatchInputs, InputBatch
 from inflight.executor.sampler import SamplingMetadata
 from inflight.models.llama import LlamaForCausalLM
@@ -105,6 +106,8 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_hidden_layers)
         ]
+        # The layer stack as one C++ call a step where it covers the model (CPU, our GEMM, the C++ ops).
+        self.cpu_forward = CpuForward(model, self.kv_caches) if CpuForward.supported(model, self.ops) else None
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_num_batched_tokens, block_size, device)
         self.max_threads = torch.get_num_threads()
         passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
@@ -117,7 +120,9 @@ class ModelRunner:
         head = model.cfg.hidden_size * model.cfg.vocab_size
         # CPU with sleeping OpenMP threads only: below this many tokens a step starts on one thread (0: none
         # does), and the chooser measures from there (a big model's small steps may still be faster alone).
-        adaptive = device.type == "cpu" and passive and self.max_threads > 1
+        # Not with cpu_forward: it wakes the threads once a step, not once an op, and every core paid at every
+        # step size measured (llama50m, PASSIVE, two threads vs one: 1.2x at batch 1, 1.1-1.9x up to 64).
+        adaptive = device.type == "cpu" and passive and self.max_threads > 1 and self.cpu_forward is None
         self.single_thread_tokens = int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights, head)) if adaptive else 0
         self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens) if adaptive else None
 
@@ -128,6 +133,12 @@ class ModelRunner:
 
     def prepare(self, sched: SchedulerOutput) -> BatchInputs:
         return self.input_batch.prepare(sched.seqs, sched.num_scheduled_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer stack: [T] tokens -> [T, hidden] final-norm outputs (the step's K/V written)."""
+        if self.cpu_forward is not None:
+            return self.cpu_forward(input_ids, positions, meta)
+        return self.model(input_ids, positions, meta, self.kv_caches, self.ops)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
@@ -141,7 +152,7 @@ class ModelRunner:
             torch.set_num_threads(threads)
         try:
             t0 = time.perf_counter()
-            hidden = self.model(inputs.input_ids, inputs.positions, meta, self.kv_caches, self.ops)
+            hidden = self.forward(inputs.input_ids, inputs.positions, meta)
             last = torch.from_numpy(meta.query_start_loc_np[1:][sample_rows] - 1).to(self.device)
             logits = self.model.compute_logits(hidden[last])
             if self.device.type == "cuda":

@@ -25,7 +25,7 @@ from inflight import native_build
 
 PANEL = 48
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -129,23 +129,35 @@ static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {nullptr, kernel_bf16<1>,
                                                         kernel_bf16<7>, kernel_bf16<8>};
 #endif
 
+// Tasks are (64-row chunk, panel) pairs, t = chunk * panels + panel; tasks begin..end of them here. Shared
+// by `linear` (one parallel region a call) and cpu_forward's layer stack (one a step); noinline so both
+// run the same machine code.
+static inline int64_t gemm_tasks(int64_t M, int64_t N) { return ((M + MC - 1) / MC) * ((N + NR - 1) / NR); }
+
+template <typename T>
+__attribute__((noinline)) void gemm_range(const KernelFn<T>* kernels, const T* x, int64_t ldx, const T* w,
+                                          int64_t M, int64_t N, int64_t K, T* y, int64_t ldy, const T* bias,
+                                          int64_t begin, int64_t end) {
+  const int64_t P = (N + NR - 1) / NR, panel_elems = K * NR;
+  for (int64_t t = begin; t < end; t++) {
+    const int64_t c = t / P, p = t % P, m1 = std::min(M, (c + 1) * MC);
+    const int valid = (int)std::min<int64_t>(NR, N - p * NR);
+    for (int64_t m = c * MC; m < m1; m += MR) {
+      const int rows = (int)std::min<int64_t>(MR, m1 - m);
+      kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy,
+                    bias ? bias + p * NR : nullptr, valid);
+    }
+  }
+}
+
 template <typename T>
 static void run(const KernelFn<T>* kernels, const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
                 T* y, int64_t ldy, const T* bias, int64_t min_macs_per_thread) {
-  const int64_t P = (N + NR - 1) / NR, chunks = (M + MC - 1) / MC, panel_elems = K * NR;
   // A sleeping OpenMP pool costs tens of microseconds to wake: small calls stay on the calling thread.
   const int64_t task_macs = std::min(M, MC) * NR * K;
   const int64_t grain = std::max<int64_t>(1, min_macs_per_thread / std::max<int64_t>(1, task_macs));
-  at::parallel_for(0, chunks * P, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      const int64_t c = t / P, p = t % P, m1 = std::min(M, (c + 1) * MC);
-      const int valid = (int)std::min<int64_t>(NR, N - p * NR);
-      for (int64_t m = c * MC; m < m1; m += MR) {
-        const int rows = (int)std::min<int64_t>(MR, m1 - m);
-        kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy,
-                      bias ? bias + p * NR : nullptr, valid);
-      }
-    }
+  at::parallel_for(0, gemm_tasks(M, N), grain, [&](int64_t begin, int64_t end) {
+    gemm_range<T>(kernels, x, ldx, w, M, N, K, y, ldy, bias, begin, end);
   });
 }
 
@@ -192,7 +204,7 @@ _module: Any = None
 def load() -> Any:
     """The compiled module, or None if this machine cannot build it (logged once)."""
     global _module
-    _module = native_build.build("inflight_cpu_gemm", _SOURCE, _FUNCTIONS)
+    _module = native_build.build("inflight_cpu_gemm", SOURCE, _FUNCTIONS)
     return _module
 
 

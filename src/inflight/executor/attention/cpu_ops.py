@@ -25,7 +25,7 @@ import torch
 
 from inflight import native_build
 
-_SOURCE = r"""
+SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -68,33 +68,43 @@ static void check_rows(const at::Tensor& t, const char* name) {
 }
 
 // ---- RMSNorm: HF's order (x * rsqrt(mean(x^2) + eps), rounded, then * weight, rounded) ----
+// The *_rows functions are the ops' bodies over a range of rows, shared by the ops below (one parallel
+// region each) and by cpu_forward's layer stack (one region a step). noinline: both callers then run the
+// same machine code, so a row's bits cannot depend on which caller ran it (-ffast-math may vectorize an
+// inlined copy's sum differently).
+template <typename T>
+__attribute__((noinline)) void rms_norm_rows(T* out, int64_t os, T* x, int64_t xs, T* res, int64_t rs, const T* w,
+                                             int64_t H, float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    T* xr = x + r * xs;
+    const T* src = xr;
+    float ss = 0.f;
+    if (res != nullptr) {  // residual <- x + residual, in the activations' dtype as HF adds
+      T* rr = res + r * rs;
+      for (int64_t i = 0; i < H; ++i) {
+        const T v = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
+        rr[i] = v;
+        const float f = to_f(v);
+        ss += f * f;
+      }
+      src = rr;
+    } else {
+      for (int64_t i = 0; i < H; ++i) {
+        const float f = to_f(xr[i]);
+        ss += f * f;
+      }
+    }
+    const float inv = 1.f / std::sqrt(ss / float(H) + eps);
+    T* o = out + r * os;
+    for (int64_t i = 0; i < H; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(src[i]) * inv));
+  }
+}
+
 template <typename T>
 static void rms_norm_impl(T* out, int64_t os, T* x, int64_t xs, T* res, int64_t rs, const T* w, int64_t rows,
                           int64_t H, float eps) {
   at::parallel_for(0, rows, grain(H), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      T* xr = x + r * xs;
-      const T* src = xr;
-      float ss = 0.f;
-      if (res != nullptr) {  // residual <- x + residual, in the activations' dtype as HF adds
-        T* rr = res + r * rs;
-        for (int64_t i = 0; i < H; ++i) {
-          const T v = from_f<T>(to_f(xr[i]) + to_f(rr[i]));
-          rr[i] = v;
-          const float f = to_f(v);
-          ss += f * f;
-        }
-        src = rr;
-      } else {
-        for (int64_t i = 0; i < H; ++i) {
-          const float f = to_f(xr[i]);
-          ss += f * f;
-        }
-      }
-      const float inv = 1.f / std::sqrt(ss / float(H) + eps);
-      T* o = out + r * os;
-      for (int64_t i = 0; i < H; ++i) o[i] = from_f<T>(to_f(w[i]) * round_to<T>(to_f(src[i]) * inv));
-    }
+    rms_norm_rows<T>(out, os, x, xs, res, rs, w, H, eps, begin, end);
   });
 }
 
@@ -126,7 +136,7 @@ void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, do
 
 // ---- RoPE (HF rotate-half), in place on q [T, Hq, D] and k [T, Hkv, D]; heads contiguous inside a row ----
 template <typename T>
-static void rope_heads(T* base, int64_t stride, int64_t heads, int64_t D, const float* c, const float* s) {
+static inline void rope_heads(T* base, int64_t heads, int64_t D, const float* c, const float* s) {
   const int64_t half = D / 2;
   for (int64_t h = 0; h < heads; ++h) {
     T* x = base + h * D;
@@ -139,40 +149,64 @@ static void rope_heads(T* base, int64_t stride, int64_t heads, int64_t D, const 
   }
 }
 
+// Rows begin..end; positions must already be checked against the table (nothing here throws).
+template <typename T>
+__attribute__((noinline)) void rope_rows(T* q, int64_t qs, int64_t Hq, T* k, int64_t ks, int64_t Hkv, int64_t D,
+                                         const int64_t* pos, const float* cp, const float* sp, int64_t begin,
+                                         int64_t end) {
+  const int64_t half = D / 2;
+  float cbuf[256], sbuf[256];  // D <= 512, checked by the callers
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t p = pos[t];
+    // HF casts cos/sin to the activations' dtype before multiplying.
+    for (int64_t i = 0; i < half; ++i) {
+      cbuf[i] = round_to<T>(cp[p * half + i]);
+      sbuf[i] = round_to<T>(sp[p * half + i]);
+    }
+    rope_heads(q + t * qs, Hq, D, cbuf, sbuf);
+    rope_heads(k + t * ks, Hkv, D, cbuf, sbuf);
+  }
+}
+
+static void check_positions(const int64_t* pos, int64_t n, int64_t max_pos) {
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position out of the RoPE table");
+}
+
 void rope(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && q.stride(1) == q.size(2) &&
-              k.stride(1) == k.size(2) && q.size(2) == k.size(2) && q.size(2) % 2 == 0,
-              "q, k: [T, H, D], heads contiguous, D even");
+              k.stride(1) == k.size(2) && q.size(2) == k.size(2) && q.size(2) % 2 == 0 && q.size(2) <= 512,
+              "q, k: [T, H, D], heads contiguous, D even and <= 512");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == q.size(0),
               "positions: int64 [T]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
               sin.is_contiguous() && cos.size(1) == q.size(2) / 2, "cos, sin: float32 [max_pos, D/2]");
-  const int64_t T_ = q.size(0), D = q.size(2), half = D / 2, max_pos = cos.size(0);
+  const int64_t T_ = q.size(0), D = q.size(2);
   const int64_t* pos = positions.data_ptr<int64_t>();
-  const float* cp = cos.data_ptr<float>();
-  const float* sp = sin.data_ptr<float>();
+  check_positions(pos, T_, cos.size(0));
   DISPATCH(q.scalar_type(), "rope", [&] {
     TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k: one dtype");
-    scalar_t* qp = q.data_ptr<scalar_t>();
-    scalar_t* kp = k.data_ptr<scalar_t>();
     at::parallel_for(0, T_, grain((q.size(1) + k.size(1)) * D), [&](int64_t begin, int64_t end) {
-      std::vector<float> cbuf(half), sbuf(half);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t p = pos[t];
-        TORCH_CHECK(p >= 0 && p < max_pos, "position out of the RoPE table");
-        // HF casts cos/sin to the activations' dtype before multiplying.
-        for (int64_t i = 0; i < half; ++i) {
-          cbuf[i] = round_to<scalar_t>(cp[p * half + i]);
-          sbuf[i] = round_to<scalar_t>(sp[p * half + i]);
-        }
-        rope_heads(qp + t * q.stride(0), q.stride(0), q.size(1), D, cbuf.data(), sbuf.data());
-        rope_heads(kp + t * k.stride(0), k.stride(0), k.size(1), D, cbuf.data(), sbuf.data());
-      }
+      rope_rows<scalar_t>(q.data_ptr<scalar_t>(), q.stride(0), q.size(1), k.data_ptr<scalar_t>(), k.stride(0),
+                          k.size(1), D, pos, cos.data_ptr<float>(), sin.data_ptr<float>(), begin, end);
     });
   });
 }
 
 // ---- KV write: this step's k/v rows [T, Hkv, D] (heads contiguous) to their flat cache slots ----
+// Slots must already be checked against the cache (nothing here throws).
+__attribute__((noinline)) void write_kv_rows(char* kc, char* vc, const char* kp, int64_t ks, const char* vp,
+                                             int64_t vs, const int64_t* slots, int64_t row_bytes, int64_t begin,
+                                             int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    std::memcpy(kc + slots[t] * row_bytes, kp + t * ks, row_bytes);
+    std::memcpy(vc + slots[t] * row_bytes, vp + t * vs, row_bytes);
+  }
+}
+
+static void check_slots(const int64_t* slots, int64_t n, int64_t num_slots) {
+  for (int64_t t = 0; t < n; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of the cache");
+}
+
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.stride(2) == 1 && value.stride(2) == 1 &&
               key.stride(1) == key.size(2) && value.stride(1) == value.size(2), "key, value: [T, Hkv, D]");
@@ -183,23 +217,31 @@ void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == key.size(0), "slot_mapping: int64 [T]");
   const int64_t T_ = key.size(0), width = key.size(1) * key.size(2);
-  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const int64_t elem = key.element_size();
-  char* kc = static_cast<char*>(k_cache.data_ptr());
-  char* vc = static_cast<char*>(v_cache.data_ptr());
-  const char* kp = static_cast<const char*>(key.data_ptr());
-  const char* vp = static_cast<const char*>(value.data_ptr());
-  for (int64_t t = 0; t < T_; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot out of the cache");
+  check_slots(slots, T_, k_cache.size(0) * k_cache.size(1));
   at::parallel_for(0, T_, 4 * grain(width), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      std::memcpy(kc + slots[t] * width * elem, kp + t * key.stride(0) * elem, width * elem);
-      std::memcpy(vc + slots[t] * width * elem, vp + t * value.stride(0) * elem, width * elem);
-    }
+    write_kv_rows(static_cast<char*>(k_cache.data_ptr()), static_cast<char*>(v_cache.data_ptr()),
+                  static_cast<const char*>(key.data_ptr()), key.stride(0) * elem,
+                  static_cast<const char*>(value.data_ptr()), value.stride(0) * elem, slots, width * elem, begin, end);
   });
 }
 
 // ---- SiLU(gate) * up over the fused [T, 2I] projection; HF rounds silu's output, then the product ----
+template <typename T>
+__attribute__((noinline)) void silu_and_mul_rows(T* op, int64_t os, const T* xp, int64_t xs, int64_t I,
+                                                 int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const T* g = xp + t * xs;
+    const T* u = g + I;
+    T* o = op + t * os;
+    for (int64_t i = 0; i < I; ++i) {
+      const float a = to_f(g[i]);
+      o[i] = from_f<T>(round_to<T>(a / (1.f + std::exp(-a))) * to_f(u[i]));
+    }
+  }
+}
+
 void silu_and_mul(at::Tensor out, at::Tensor x) {
   check_rows(x, "x");
   check_rows(out, "out");
@@ -207,19 +249,9 @@ void silu_and_mul(at::Tensor out, at::Tensor x) {
               "x: [T, 2I], out: [T, I]");
   const int64_t T_ = x.size(0), I = out.size(1);
   DISPATCH(x.scalar_type(), "silu_and_mul", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t xs = x.stride(0), os = out.stride(0);
     at::parallel_for(0, T_, grain(I), [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* g = xp + t * xs;
-        const scalar_t* u = g + I;
-        scalar_t* o = op + t * os;
-        for (int64_t i = 0; i < I; ++i) {
-          const float a = to_f(g[i]);
-          o[i] = from_f<scalar_t>(round_to<scalar_t>(a / (1.f + std::exp(-a))) * to_f(u[i]));
-        }
-      }
+      silu_and_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), x.data_ptr<scalar_t>(), x.stride(0), I,
+                                  begin, end);
     });
   });
 }
@@ -256,31 +288,49 @@ static inline __m512 sum16(const __m512* v) {
 // thread, 32 rows x 300 tokens fp32: 9 -> 21 GB/s). The GQA group rides along: each K/V row loaded
 // serves every query head that shares it. D is a compile-time constant for the common head sizes, so the
 // dot products and the V update unroll into a few full-width FMAs.
+template <typename scalar_t>
+struct AttentionArgs {
+  scalar_t* out;
+  int64_t o_stride;
+  const scalar_t* query;
+  int64_t q_stride;
+  const scalar_t* k_cache;
+  const scalar_t* v_cache;
+  int64_t bs, Hkv, Hq, D;
+  const int32_t* tables;
+  int64_t table_stride;
+  const int32_t* lens;
+  int64_t B;
+  float scale;
+  int64_t splits;  // tasks per row: KV-head ranges; a task's bits do not depend on how heads are split
+};
+
+// Enough tasks for every thread when the batch is small (batch 1: heads split across threads).
+static inline int64_t attention_splits(int64_t Hkv, int64_t B, int64_t threads) {
+  return std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+}
+
+// Tasks begin..end of B * splits (row, KV-head range); nothing here throws.
 template <typename scalar_t, int64_t D_FIXED>
-static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                          const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          double scale) {
+__attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end) {
   // The SIMD path: AVX-512, fp32 or bf16, a head size of whole 16-lane vectors.
   constexpr bool SIMD = HAVE_SIMD_ATTENTION && D_FIXED > 0 && D_FIXED % 16 == 0 &&
                         (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
-  const int64_t B = query.size(0), Hq = query.size(1);
-  const int64_t D = D_FIXED > 0 ? D_FIXED : query.size(2);
-  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv;
-  const scalar_t* __restrict__ q_ptr = query.data_ptr<scalar_t>();
-  const scalar_t* __restrict__ k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* __restrict__ v_ptr = v_cache.data_ptr<scalar_t>();
-  scalar_t* __restrict__ o_ptr = out.data_ptr<scalar_t>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int64_t q_stride = query.stride(0), o_stride = out.stride(0), table_stride = block_tables.stride(0);
+  const int64_t D = D_FIXED > 0 ? D_FIXED : a.D;
+  const int64_t bs = a.bs, Hkv = a.Hkv;
+  const int64_t G = a.Hq / Hkv;
+  const scalar_t* __restrict__ q_ptr = a.query;
+  const scalar_t* __restrict__ k_ptr = a.k_cache;
+  const scalar_t* __restrict__ v_ptr = a.v_cache;
+  scalar_t* __restrict__ o_ptr = a.out;
+  const int32_t* tables = a.tables;
+  const int32_t* lens = a.lens;
+  const int64_t q_stride = a.q_stride, o_stride = a.o_stride, table_stride = a.table_stride;
   const int64_t row_stride = Hkv * D;  // between consecutive tokens inside a block
-  const float fscale = static_cast<float>(scale);
-  // Enough tasks for every thread when the batch is small (batch 1: heads split across threads).
-  const int64_t splits = std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * at::get_num_threads() + B - 1) / B));
+  const float fscale = a.scale;
+  const int64_t splits = a.splits;
   const int64_t per = (Hkv + splits - 1) / splits;
-
-  at::parallel_for(0, B * splits, 1, [&](int64_t begin, int64_t end) {
+  {
     std::vector<float> qv(per * G * D), accv(per * G * D), sv(per * G * bs), mv(per * G), lv(per * G), rowv(D);
     float* __restrict__ q = qv.data();
     float* __restrict__ acc = accv.data();
@@ -412,7 +462,15 @@ static void decode_kernel(const at::Tensor& out, const at::Tensor& query, const 
           o_ptr[b * o_stride + (h0 * G + x) * D + d] = from_f<scalar_t>(acc[x * D + d] * inv);
       }
     }
-  });
+  }
+}
+
+template <typename scalar_t>
+void attention_tasks_any(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end) {
+  if (a.D == 64) attention_tasks<scalar_t, 64>(a, begin, end);
+  else if (a.D == 128) attention_tasks<scalar_t, 128>(a, begin, end);
+  else if (a.D == 32) attention_tasks<scalar_t, 32>(a, begin, end);
+  else attention_tasks<scalar_t, 0>(a, begin, end);
 }
 
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache,
@@ -428,11 +486,14 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens: int32 [B]");
   DISPATCH(query.scalar_type(), "paged_attention", [&] {
-    const int64_t D = query.size(2);
-    if (D == 64) decode_kernel<scalar_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    else if (D == 128) decode_kernel<scalar_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    else if (D == 32) decode_kernel<scalar_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    else decode_kernel<scalar_t, 0>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    const int64_t B = query.size(0), Hkv = k_cache.size(2);
+    const AttentionArgs<scalar_t> a{out.data_ptr<scalar_t>(), out.stride(0), query.data_ptr<scalar_t>(),
+                                    query.stride(0), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                    k_cache.size(1), Hkv, query.size(1), query.size(2),
+                                    block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                                    seq_lens.data_ptr<int32_t>(), B, static_cast<float>(scale),
+                                    attention_splits(Hkv, B, at::get_num_threads())};
+    at::parallel_for(0, B * a.splits, 1, [&](int64_t begin, int64_t end) { attention_tasks_any(a, begin, end); });
   });
 }
 """
@@ -444,7 +505,7 @@ _module: Any = None
 def load() -> Any:
     """The compiled module, or None if this machine cannot build it (logged once)."""
     global _module
-    _module = native_build.build("inflight_cpu_ops", _SOURCE, _FUNCTIONS, fast_math=True)
+    _module = native_build.build("inflight_cpu_ops", SOURCE, _FUNCTIONS, fast_math=True)
     return _module
 
 

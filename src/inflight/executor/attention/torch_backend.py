@@ -59,7 +59,7 @@ class TorchBackend:
         if native:
             rows = meta.cache.get("torch_rows")
             if rows is None:
-                rows = meta.cache["torch_rows"] = _token_rows(meta, query.device)
+                rows = meta.cache["torch_rows"] = token_rows(meta, query.device)
             return cpu_ops.paged_attention(query, k_cache, v_cache, *rows, scale)
         plan = meta.cache.get("torch_plan")
         if plan is None:
@@ -134,7 +134,7 @@ class TorchBackend:
         return F.silu(gate) * up
 
 
-def _token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Every query token as its own row of the decode op: (its sequence's block table, its context length).
 
     A prompt token at position p attends to tokens 0..p exactly as a decode step at p would, through the

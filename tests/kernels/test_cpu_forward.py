@@ -1,0 +1,91 @@
+"""The layer stack in one C++ call (executor/cpu_forward.py) against the per-op path it replaces.
+
+Both run the same row functions and GEMM tasks, so the oracle is exact: the same hidden states and the
+same K/V written, bit for bit, for every family the loader supports (Llama with llama3 RoPE and a tied
+head, Mistral, Qwen2's qkv bias, Qwen3's q/k norms and a head_dim of its own), in fp32 and bf16, on a
+batch that mixes a fresh prompt, decode rows and a chunk after a cached prefix, on one thread and on all.
+The HF-reference tests (test_engine_reference, test_bf16_reference, test_loader) run through it too,
+since the runner takes it wherever it is supported.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_loader import CASES, make_checkpoint
+
+from inflight.executor.attention import AttentionMetadata
+from inflight.executor.cpu_forward import CpuForward
+from inflight.executor.model_runner import ModelRunner
+from inflight.models import cpu_gemm
+from inflight.models.loader import load_model
+from loadtest.bench_decode_step import batch_metadata
+
+BLOCK = 8
+# (context length, query tokens) per sequence: a decode row, a fresh prompt, a chunk after a cached
+# prefix, a decode row at a block boundary.
+BATCH = [(37, 1), (11, 11), (29, 13), (BLOCK * 3, 1)]
+
+
+def runner_for(path, dtype: torch.dtype) -> ModelRunner:
+    model, _ = load_model(path, dtype, torch.device("cpu"))
+    return ModelRunner(model, 64, BLOCK, 256, dtype, torch.device("cpu"), "torch")
+
+
+def step_inputs(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    seq_lens, query_lens = zip(*BATCH)
+    positions, meta, _ = batch_metadata(list(seq_lens), list(query_lens), BLOCK, torch.device("cpu"))
+    ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),), generator=torch.Generator().manual_seed(1))
+    return ids, positions, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_bits_as_the_per_op_path(tmp_path, case, dtype):
+    if not cpu_gemm.supports(dtype, 64):
+        pytest.skip(f"no AVX-512 GEMM for {dtype} on this CPU: the per-op path runs")
+    arch, extra = CASES[case]
+    runner = runner_for(make_checkpoint(tmp_path, arch, **extra), dtype)
+    assert runner.cpu_forward is not None
+    gen = torch.Generator().manual_seed(0)
+    for k, v in runner.kv_caches:  # the cached prefixes: anything but zeros
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    before = [c.clone() for pair in runner.kv_caches for c in pair]
+    ids, positions, _ = step_inputs(runner)
+    with torch.inference_mode():
+        ref = runner.model(ids, positions, step_inputs(runner)[2], runner.kv_caches, runner.ops)
+    ref_caches = [c.clone() for pair in runner.kv_caches for c in pair]
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            for cache, saved in zip((c for pair in runner.kv_caches for c in pair), before):
+                cache.copy_(saved)
+            with torch.inference_mode():
+                out = runner.cpu_forward(ids, positions, step_inputs(runner)[2])
+            assert torch.equal(out, ref), f"{n} thread(s): hidden states differ"
+            assert all(torch.equal(a, b) for a, b in zip((c for p in runner.kv_caches for c in p), ref_caches))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_step_inputs_are_refused_before_any_thread_starts(demo_model_dir):
+    if not cpu_gemm.supports(torch.float32, 64):
+        pytest.skip("no AVX-512 GEMM on this CPU")
+    runner = runner_for(demo_model_dir, torch.float32)
+    assert isinstance(runner.cpu_forward, CpuForward)
+    ids, positions, meta = step_inputs(runner)
+    meta.block_tables[0, 0] = 10_000
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="block id outside the cache"):
+        runner.cpu_forward(ids, positions, meta)
+    ids, positions, meta = step_inputs(runner)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="position out of the RoPE table"):
+        runner.cpu_forward(ids, positions + 10_000, meta)
+    ids, positions, meta = step_inputs(runner)
+    meta.slot_mapping[-1] = -1
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="slot out of the cache"):
+        runner.cpu_forward(ids, positions, meta)
+    ids, positions, meta = step_inputs(runner)  # and the model still runs
+    with torch.inference_mode():
+        assert torch.isfinite(runner.cpu_forward(ids, positions, meta)).all()
