@@ -80,7 +80,7 @@ struct Step {
   std::vector<const void*> w;  // L * WEIGHTS_PER_LAYER (nullptr where absent)
   std::vector<S*> k_caches, v_caches;
   S *h, *x, *qkv, *att, *gu, *act, *dn;
-  std::atomic<int64_t>* attn_next;  // [L]: attention tasks are claimed one by one (rows differ in length)
+  std::atomic<int64_t>* attn_next;  // [L]: the next unclaimed attention task of each layer
   SpinBarrier bar;
 
   void gemm(const S* in, int64_t M, const void* w_, const void* b_, int64_t N, int64_t K, S* out, int tid, int nt) {
@@ -124,9 +124,10 @@ struct Step {
       AttentionArgs<S> a = attn;
       a.k_cache = k_caches[l];
       a.v_cache = v_caches[l];
-      const int64_t tasks = a.B * a.splits;
-      for (int64_t t; (t = attn_next[l].fetch_add(1, std::memory_order_relaxed)) < tasks;)
-        attention_tasks_any<S>(a, t, t + 1);
+      // Claimed a few at a time: rows differ in length, so fixed shares would leave a thread waiting.
+      const int64_t tasks = a.B * a.splits, chunk = std::max<int64_t>(1, tasks / (8 * nt));
+      for (int64_t t; (t = attn_next[l].fetch_add(chunk, std::memory_order_relaxed)) < tasks;)
+        attention_tasks_any<S>(a, t, std::min(tasks, t + chunk));
       bar.wait(nt);
       gemm(att, T, lw[5], lw[6], H, Hq * D, x, tid, nt);
       bar.wait(nt);
