@@ -3,7 +3,8 @@
 Both run the same row functions and GEMM tasks, so the oracle is exact: the same hidden states and the
 same K/V written, bit for bit, for every family the loader supports (Llama with llama3 RoPE and a tied
 head, Mistral, Qwen2's qkv bias, Qwen3's q/k norms and a head_dim of its own), in fp32 and bf16, on a
-batch that mixes a fresh prompt, decode rows and a chunk after a cached prefix, on one thread and on all.
+batch that mixes a fresh prompt, decode rows and a chunk after a cached prefix, on one thread, on all and
+on more threads than cores.
 The HF-reference tests (test_engine_reference, test_bf16_reference, test_loader) run through it too,
 since the runner takes it wherever it is supported.
 """
@@ -58,7 +59,9 @@ def test_same_bits_as_the_per_op_path(tmp_path, case, dtype):
     ref_caches = [c.clone() for pair in runner.kv_caches for c in pair]
     threads = torch.get_num_threads()
     try:
-        for n in sorted({1, threads}):
+        # 2 * threads + 1: more threads than cores (and an odd count): waiters at the barrier outlast their spin
+        # and sleep on the futex, peers get descheduled mid-op; the bits must not change
+        for n in sorted({1, threads, 2 * threads + 1}):
             torch.set_num_threads(n)
             for cache, saved in zip((c for pair in runner.kv_caches for c in pair), before):
                 cache.copy_(saved)

@@ -5,8 +5,8 @@ a decode step of llama50m is ~340 Python dispatches and ~110 OpenMP parallel reg
 dispatches cost about as much as reading the weights, and with OMP_WAIT_POLICY=PASSIVE every region
 wakes the sleeping threads again (0.03-0.3 ms each on this project's VMs), so a second core often lost
 time (`ModelRunner`'s ThreadChooser ran small steps on one). Here the threads are woken once a step and
-meet at a spinning barrier between ops (llama.cpp's design): splitting a batch-1 GEMM's panels across
-cores then pays.
+meet at a barrier between ops that spins for ~50 us before it sleeps (llama.cpp's design, with a futex
+for when the cores are shared): splitting a batch-1 GEMM's panels across cores then pays.
 
 The ops are the same machine code as the per-op path: `cpu_ops`' and `cpu_gemm`'s row/task functions
 (noinline) built into this module, so a step gives the same bits either way (tested) and every row still
@@ -29,25 +29,44 @@ from inflight.models.packed_linear import PackedLinear
 
 _STEP_SOURCE = r"""
 #include <omp.h>
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <x86intrin.h>
 #include <atomic>
+#include <climits>
 
-// The step's threads meet here between ops. They spin (the other thread is mid-op, microseconds away);
-// after ~4k pauses (a descheduled peer: 2 cores shared with the server's other threads) they yield.
+// The step's threads meet here between ops. A waiter spins first (its peer is mid-op, microseconds
+// away) for up to SPIN_TICKS of the time-stamp counter (~50 us), then sleeps on a futex until the last
+// one arrives: with the cores shared (another process busy on both), a waiter that kept spinning or
+// yielding made a batch-64 step 8x slower, 2x slower than sleeping at once as OpenMP's PASSIVE does.
+constexpr uint64_t SPIN_TICKS = 1u << 17;
+
 struct SpinBarrier {
   std::atomic<int> arrived{0};
   std::atomic<int> phase{0};
+  std::atomic<int> sleepers{0};
   void wait(int n) {
     if (n == 1) return;
     const int ph = phase.load(std::memory_order_acquire);
     if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
       arrived.store(0, std::memory_order_relaxed);
-      phase.store(ph + 1, std::memory_order_release);
+      phase.store(ph + 1, std::memory_order_seq_cst);
+      // seq_cst on both sides: either a sleeper is counted here, or it sees the new phase before sleeping
+      if (sleepers.load(std::memory_order_seq_cst) > 0)
+        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
       return;
     }
-    for (int spins = 0; phase.load(std::memory_order_acquire) == ph; ++spins) {
-      if (spins < 4096) _mm_pause();
-      else sched_yield();
+    const uint64_t start = __rdtsc();
+    while (phase.load(std::memory_order_acquire) == ph) {
+      if (__rdtsc() - start < SPIN_TICKS) {
+        _mm_pause();
+        continue;
+      }
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      while (phase.load(std::memory_order_seq_cst) == ph)  // the kernel sleeps only if it is still ph
+        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAIT_PRIVATE, ph, nullptr, nullptr, 0);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 };

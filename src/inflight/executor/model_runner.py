@@ -120,11 +120,16 @@ class ModelRunner:
         head = model.cfg.hidden_size * model.cfg.vocab_size
         # CPU with sleeping OpenMP threads only: below this many tokens a step starts on one thread (0: none
         # does), and the chooser measures from there (a big model's small steps may still be faster alone).
-        # Not with cpu_forward: it wakes the threads once a step, not once an op, and every core paid at every
-        # step size measured (llama50m, PASSIVE, two threads vs one: 1.2x at batch 1, 1.1-1.9x up to 64).
-        adaptive = device.type == "cpu" and passive and self.max_threads > 1 and self.cpu_forward is None
+        adaptive = device.type == "cpu" and passive and self.max_threads > 1
         self.single_thread_tokens = int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights, head)) if adaptive else 0
-        self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens) if adaptive else None
+        explore_every = 16
+        if self.cpu_forward is not None:
+            # It wakes the threads once a step, not once an op: on a quiet machine every core paid at every step
+            # size measured (llama50m, two threads vs one: 1.2x at batch 1, 1.1-1.9x up to 64), so every size
+            # starts on all threads. With both cores shared (two busy processes), one thread was faster at
+            # batch 1 (5.4 vs 13.2 ms), two still at 64 (116 vs 153 ms): one thread is tried every 64th step.
+            self.single_thread_tokens, explore_every = 0, 64
+        self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens, explore_every) if adaptive else None
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
