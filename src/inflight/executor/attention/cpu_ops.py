@@ -11,7 +11,9 @@ math in fp32 registers and rounds once where HF rounds (so bf16 results stay nex
   the block table (no gather into a padded tensor, which cost as much as the attention itself), one
   pass with an online softmax per block, each K/V row loaded once for the head's whole GQA group.
 Every op works row by row: a row's result never depends on which other rows share its batch.
-`TorchBackend`'s plain-torch path stays the oracle these are tested against.
+`TorchBackend`'s plain-torch path stays the oracle these are tested against. Each op's body is a function
+over a range of rows (`*_rows`, `attention_tasks`) that `executor/cpu_forward.py` also builds into its
+one-call layer stack, so both run the same code.
 
 The build needs a C++ compiler (gcc is on every supported machine; `inflight.native_build` caches it per
 source and CPU). If it cannot be built, `load()` returns None and the backend keeps the plain-torch path.
