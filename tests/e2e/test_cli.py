@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,11 +53,13 @@ def test_bad_engine_parameter_fails_model_load_naming_it(tmp_path):
 
 def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
     http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
-    cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
+    # --model relative to where the command runs (tritonserver's Python backend runs elsewhere)
+    model = Path(demo_model_dir)
+    cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", model.name, "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-num-seqs", "2", "--num-kv-blocks", "6",
            "--max-model-len", "128", "--openai-port", str(api), "--openai-host", "127.0.0.1"]  # fmt: skip
     log = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=model.parent)
     try:
 
         def ready() -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from inflight.coerce import field_types, parse_scalar, type_name
@@ -127,8 +128,12 @@ def _serve(ns: argparse.Namespace) -> int:
     from inflight.launcher.server import LauncherError, TritonServer, serve
 
     parameters: dict[str, object] = dict(engine_args(ns))
-    if ns.model is not None:
-        parameters["model"] = ns.model
+    model = ns.model
+    if model is not None and Path(model).expanduser().exists():
+        # The Python backend runs in tritonserver's working directory, not ours: a relative path would miss.
+        model = str(Path(model).expanduser().resolve())
+    if model is not None:
+        parameters["model"] = model
     if ns.step_log is not None:
         parameters["step_log"] = ns.step_log
     for item in ns.param:
@@ -146,7 +151,7 @@ def _serve(ns: argparse.Namespace) -> int:
             log_verbose=ns.log_verbose,
             tritonserver=ns.tritonserver,
         )
-        return serve(server, ns.openai_port, ns.openai_host, ns.model)
+        return serve(server, ns.openai_port, ns.openai_host, model)
     except LauncherError as e:
         print(f"inflight serve: {e}", file=sys.stderr)
         return 1
