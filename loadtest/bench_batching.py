@@ -94,6 +94,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds one vLLM run may take (install too)")
     p.add_argument("--skip", nargs="*", default=[], choices=["hf", "hf-static", "hf-continuous", "overhead"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="every run's device; on cuda HF runs in the engine's dtype (bf16 for auto), on a CPU in fp32",
+    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="inflight runs")
     p.add_argument("--out", type=Path, default=None, help="default loadtest/results (with --peers: .../peers)")
     p.add_argument("--quick", action="store_true", help="a small smoke run (tests use it)")
@@ -131,10 +137,17 @@ def engine_config(args: argparse.Namespace, policy: str, reservation: str, **ove
         "max_model_len": args.prompt_len[1] + args.output_len[1],
         "scheduling_policy": policy,
         "kv_reservation": reservation,
-        "device": "cpu",
+        "device": args.device,
         "dtype": args.dtype,
     }
     return EngineConfig(**(kwargs | overrides))
+
+
+def hf_placement(args: argparse.Namespace) -> dict[str, Any]:
+    """Where HF runs: fp32 on a CPU (its bf16 there is slower than fp32), the engine's dtype on a GPU."""
+    if args.device == "cpu":
+        return {}
+    return {"device": args.device, "dtype": torch.bfloat16 if args.dtype == "auto" else getattr(torch, args.dtype)}
 
 
 def default_kv_blocks(args: argparse.Namespace) -> int:
@@ -167,6 +180,7 @@ def machine_info(threads: int) -> dict[str, Any]:
         "platform": platform.platform(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
 
@@ -204,13 +218,21 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     if not skip & {"hf", "hf-static"}:
         from loadtest.hf_baselines import run_hf_static
 
-        runs["hf static"] = _measured(run_hf_static, model_dir, hf_trace, args.max_num_seqs, progress)
+        runs["hf static"] = _measured(
+            run_hf_static, model_dir, hf_trace, args.max_num_seqs, progress, **hf_placement(args)
+        )
         runs["hf static"].note = hf_note
     if not skip & {"hf", "hf-continuous"}:
         from loadtest.hf_baselines import run_hf_continuous
 
         runs["hf continuous"] = _measured(
-            run_hf_continuous, model_dir, hf_trace, args.max_num_seqs, args.max_num_batched_tokens, progress=progress
+            run_hf_continuous,
+            model_dir,
+            hf_trace,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            progress=progress,
+            **hf_placement(args),
         )
         runs["hf continuous"].note = hf_note
     overhead_name = None

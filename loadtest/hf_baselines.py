@@ -14,14 +14,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
-from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
 from loadtest.metrics import RunResult
 from loadtest.trace import TraceRequest
 
 
-def load_hf_model(model_dir: str | Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
 
 
 class _StepClock(LogitsProcessor):
@@ -44,6 +43,7 @@ def _generate_batch(model, batch: Sequence[TraceRequest], pad_id: int) -> list[f
     for row, r in enumerate(batch):
         ids[row, width - r.prompt_len :] = torch.tensor(r.prompt_token_ids)
         mask[row, width - r.prompt_len :] = 1
+    ids, mask = ids.to(model.device), mask.to(model.device)
     steps = max(r.output_len for r in batch)
     clock = _StepClock()
     model.generate(
@@ -59,11 +59,17 @@ def _generate_batch(model, batch: Sequence[TraceRequest], pad_id: int) -> list[f
 
 
 def run_hf_static(
-    model_dir: str | Path, trace: Sequence[TraceRequest], batch_size: int, progress: bool = True, pad_id: int = 0
+    model_dir: str | Path,
+    trace: Sequence[TraceRequest],
+    batch_size: int,
+    progress: bool = True,
+    pad_id: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> RunResult:
     """A static batcher: when idle, it takes every arrived request (up to `batch_size`) and runs them together.
     A request's latency ends at the step that produced its last useful token (as if streamed)."""
-    model = load_hf_model(model_dir)
+    model = load_hf_model(model_dir, device, dtype)
     _generate_batch(model, [TraceRequest("warmup", tuple(range(3, 35)), 4, 0.0)], pad_id)
     pending = sorted(trace, key=lambda r: r.arrival_s)
     ttft, latency, tokens = [], [], 0
@@ -104,9 +110,14 @@ def run_hf_continuous(
     max_batch_tokens: int = 2048,
     page_size: int = 256,
     progress: bool = True,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> RunResult:
     """transformers' continuous-batching manager with per-request `max_new_tokens`, fed at arrival times."""
-    model = load_hf_model(model_dir)
+    # Imported here: transformers releases before 5.2x lack it, and the static baseline must not need it.
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    model = load_hf_model(model_dir, device, dtype)
     max_len = max(r.prompt_len + r.output_len for r in trace)
     # Enough pages that HF never runs short of KV: its scheduler, not memory, decides the batch.
     num_blocks = max_num_seqs * (math.ceil(max_len / page_size) + 1)

@@ -222,7 +222,7 @@ def capture_engine_launches(model_dir: str | Path, dtype: str) -> LaunchLog:
 
     Steps of 16 tokens: the long prompts are prefilled in chunks that share steps with the short
     prompts' decode tokens (mixed steps), then decode-only steps. A second batch decodes with split-K:
-    the engine splits contexts of >= 2 x MIN_TOKENS_PER_SPLIT (512) tokens; a lowered threshold takes
+    the engine splits contexts of >= 2 x MIN_TOKENS_PER_SPLIT (1024) tokens; a lowered threshold takes
     the same kernels (split count is a grid dimension) without interpreting a 512-token prefill.
     """
     import inflight_kernels.split_k_decode as split_k

@@ -32,7 +32,18 @@ LLAMA_50M = {
 # ~45M parameters: embedding + lm_head 2 x 16.4M, 4 layers x 3.15M. Per decoded token the lm_head's 16.4M
 # multiply-adds outweigh the layers' 12.6M, as in small models with a real vocabulary.
 LLAMA_32K = LLAMA_50M | {"num_hidden_layers": 4, "vocab_size": 32000}
-MODELS: dict[str, dict[str, Any]] = {"demo": {}, "llama50m": LLAMA_50M, "llama32k": LLAMA_32K}
+# ~1.1B parameters, Llama-3.2-1B's layer shape with a 32k vocabulary: a GPU's size (the small ones leave an
+# H100 waiting on kernel launches, so they measure Python and launch overhead, not the engine's batching).
+LLAMA_1B = {
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 32000,
+}
+MODELS: dict[str, dict[str, Any]] = {"demo": {}, "llama50m": LLAMA_50M, "llama32k": LLAMA_32K, "llama1b": LLAMA_1B}
 
 _LETTERS = "etaoinshrdlcumwfgypbvkjxqz"
 _SPACE = "Ġ"  # byte-level BPE's picture of a space

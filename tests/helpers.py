@@ -58,7 +58,7 @@ def capture_logits(engine) -> list[tuple[str, list[int], torch.Tensor]]:
 
     def recording_forward(input_ids, positions, meta):
         hidden = forward(input_ids, positions, meta)
-        last[:] = [(positions.tolist(), meta.query_start_loc_np.tolist(), runner.model.compute_logits(hidden).clone())]
+        last[:] = [(positions.tolist(), meta.query_start_loc_np.tolist(), runner.model.compute_logits(hidden).cpu())]
         return hidden
 
     def recording_execute(sched):

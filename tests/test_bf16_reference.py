@@ -95,6 +95,7 @@ def test_the_engine_logs_its_dtype_once(demo_model_dir, caplog):
     with caplog.at_level(logging.INFO, logger="inflight"):
         llm = LLM(demo_model_dir, num_kv_blocks=16)
     records = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype ")]
-    expected, why = EngineConfig(device="cpu").resolve_dtype(torch.float32)
+    config = EngineConfig()  # where the LLM above runs: the GPU if there is one
+    expected, why = config.resolve_dtype(torch.float32)
     assert llm.engine.dtype == expected
-    assert records == [f"dtype {str(expected).removeprefix('torch.')} on cpu ({why})"]
+    assert records == [f"dtype {str(expected).removeprefix('torch.')} on {config.device} ({why})"]

@@ -315,13 +315,13 @@ def paged_attention_reference(
         start, end = qsl[b], qsl[b + 1]
         if end == start:
             continue
-        pos = torch.arange(seq_len)
+        pos = torch.arange(seq_len, device=query.device)
         slots = block_tables[b].long()[pos // block_size]
         k = k_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)
         q = query[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         scores.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

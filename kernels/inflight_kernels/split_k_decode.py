@@ -12,8 +12,9 @@ import triton
 import triton.language as tl
 
 # A split must stream enough keys to amortize its fixed cost (loading Q, writing an fp32 partial,
-# the merge pass). 256 tokens is 4 tiles of 64, where a decode program is already bandwidth-bound.
-MIN_TOKENS_PER_SPLIT = 256
+# the merge pass and its launch). Measured on an H100 (docs/BENCHMARKS.md): at 512 tokens two slices of
+# 256 ran 1.2-3.6x slower than one pass at batch 1-16, while slices of >= 512 won at 2k-8k contexts.
+MIN_TOKENS_PER_SPLIT = 512
 # More splits than this add merge traffic without adding useful parallelism on current GPUs.
 MAX_SPLITS = 16
 # The interpreter has no SMs; plan as for a data-center GPU so CPU runs take the same decisions.

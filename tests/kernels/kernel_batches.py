@@ -9,6 +9,16 @@ import torch
 
 from inflight.executor.attention import AttentionMetadata
 
+# The kernels run on the GPU where there is one, else on the CPU under TRITON_INTERPRET=1 (conftest).
+# Inputs are drawn on the CPU (a CPU generator gives the same numbers on both) and then moved.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def dev(*tensors: torch.Tensor):
+    """The tensors on DEVICE (one tensor, or a tuple of them)."""
+    moved = tuple(t.to(DEVICE) for t in tensors)
+    return moved[0] if len(moved) == 1 else moved
+
 
 @dataclass
 class PagedBatch:
@@ -79,19 +89,21 @@ def make_batch(
                 slots.append(blk * block_size + off)
                 positions.append(pos)
     slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    k_cache, v_cache, slot_mapping = dev(k_cache, v_cache, slot_mapping)
+    block_tables = dev(wide)[:, :max_blocks]
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
     qsl = np.concatenate([[0], np.cumsum([q for _, q in specs])]).astype(np.int32)
     sl = np.array(seq_lens, dtype=np.int32)
     return PagedBatch(
-        query=torch.randn(int(qsl[-1]), num_q_heads, head_dim, generator=gen).to(dtype),
+        query=dev(torch.randn(int(qsl[-1]), num_q_heads, head_dim, generator=gen).to(dtype)),
         key=flat_k[slot_mapping].clone(),
         value=flat_v[slot_mapping].clone(),
         k_cache=k_cache,
         v_cache=v_cache,
         slot_mapping=slot_mapping,
-        positions=torch.tensor(positions, dtype=torch.int64),
-        query_start_loc=torch.from_numpy(qsl),
-        seq_lens=torch.from_numpy(sl),
+        positions=dev(torch.tensor(positions, dtype=torch.int64)),
+        query_start_loc=dev(torch.from_numpy(qsl)),
+        seq_lens=dev(torch.from_numpy(sl)),
         block_tables=block_tables,
         query_start_loc_np=qsl,
         seq_lens_np=sl,

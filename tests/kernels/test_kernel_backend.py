@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_batches import batch_kinds, make_batch
+from kernel_batches import batch_kinds, dev, make_batch
 
 from inflight.executor.attention import TorchBackend, get_backend
 from inflight.executor.attention.triton_backend import TritonBackend
@@ -31,10 +31,10 @@ def test_layer_step_matches_torch_backend(kind, hq, hkv, head_dim, block_size, d
     batch = make_batch(batch_kinds(block_size)[kind], hq, hkv, head_dim, block_size, dtype, garbage=None)
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(1024).float()[:, None] * inv_freq
-    cos_sin = (freqs.cos(), freqs.sin())
+    cos_sin = dev(freqs.cos(), freqs.sin())
     gen = torch.Generator().manual_seed(5)
-    new_k = torch.randn(batch.key.shape, generator=gen).to(dtype)  # differs from the cached rows
-    new_v = torch.randn(batch.value.shape, generator=gen).to(dtype)
+    new_k = dev(torch.randn(batch.key.shape, generator=gen).to(dtype))  # differs from the cached rows
+    new_v = dev(torch.randn(batch.value.shape, generator=gen).to(dtype))
     scale = head_dim**-0.5
 
     results = []
@@ -60,8 +60,8 @@ def test_layer_step_matches_torch_backend(kind, hq, hkv, head_dim, block_size, d
 
 def test_norms_match_torch_backend():
     gen = torch.Generator().manual_seed(6)
-    x, residual = torch.randn(2, 5, 256, generator=gen), torch.randn(2, 5, 256, generator=gen)
-    weight = torch.randn(256, generator=gen)
+    x, residual = dev(torch.randn(2, 5, 256, generator=gen), torch.randn(2, 5, 256, generator=gen))
+    weight = dev(torch.randn(256, generator=gen))
     ref, tri = TorchBackend(), TritonBackend()
     torch.testing.assert_close(tri.rms_norm(x, weight, 1e-6), ref.rms_norm(x, weight, 1e-6))
     normed, new_residual = tri.fused_add_rms_norm(x, residual, weight, 1e-6)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from inflight_kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
 from inflight_kernels.rope import rotary_embedding, rotary_embedding_reference
+from kernel_batches import dev
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -13,8 +14,8 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 @pytest.mark.parametrize(("hidden", "dtype"), [(256, torch.float32), (96, torch.float16), (4096, torch.float16)])
 def test_rms_norm(hidden, dtype):
     gen = torch.Generator().manual_seed(0)
-    x = (torch.randn(7, hidden, generator=gen) * 3).to(dtype)
-    w = torch.randn(hidden, generator=gen).to(dtype)
+    x = dev((torch.randn(7, hidden, generator=gen) * 3).to(dtype))
+    w = dev(torch.randn(hidden, generator=gen).to(dtype))
     out = rms_norm(x, w, 1e-6)
     assert out.dtype == dtype
     torch.testing.assert_close(out, rms_norm_reference(x, w, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
@@ -23,9 +24,9 @@ def test_rms_norm(hidden, dtype):
 @pytest.mark.parametrize(("hidden", "dtype"), [(256, torch.float32), (80, torch.float16)])
 def test_fused_add_rms_norm(hidden, dtype):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(5, hidden, generator=gen).to(dtype)
-    residual = torch.randn(5, hidden, generator=gen).to(dtype)
-    w = torch.randn(hidden, generator=gen).to(dtype)
+    x = dev(torch.randn(5, hidden, generator=gen).to(dtype))
+    residual = dev(torch.randn(5, hidden, generator=gen).to(dtype))
+    w = dev(torch.randn(hidden, generator=gen).to(dtype))
     x_before, r_before = x.clone(), residual.clone()
     normed, new_residual = fused_add_rms_norm(x, residual, w, 1e-5)
     ref_normed, ref_residual = fused_add_rms_norm_reference(x, residual, w, 1e-5)
@@ -37,9 +38,9 @@ def test_fused_add_rms_norm(hidden, dtype):
 def test_rms_norm_per_head_on_a_strided_view():
     # Qwen3's q/k norm: normalize every head of q (a slice of a fused qkv output) over head_dim.
     gen = torch.Generator().manual_seed(2)
-    qkv = torch.randn(6, (4 + 2 + 2) * 64, generator=gen)
+    qkv = dev(torch.randn(6, (4 + 2 + 2) * 64, generator=gen))
     q = qkv[:, : 4 * 64].view(6, 4, 64)
-    w = torch.randn(64, generator=gen)
+    w = dev(torch.randn(64, generator=gen))
     out = rms_norm(q.reshape(-1, 64), w, 1e-6).view(6, 4, 64)
     torch.testing.assert_close(out, rms_norm_reference(q, w, 1e-6), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rms_norm(q, w, 1e-6), out)  # any leading shape works
@@ -48,7 +49,7 @@ def test_rms_norm_per_head_on_a_strided_view():
 def _cos_sin(head_dim: int, max_pos: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
     inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
     freqs = torch.arange(max_pos).float()[:, None] * inv_freq
-    return freqs.cos(), freqs.sin()
+    return dev(freqs.cos(), freqs.sin())
 
 
 @pytest.mark.parametrize(
@@ -57,9 +58,9 @@ def _cos_sin(head_dim: int, max_pos: int = 512) -> tuple[torch.Tensor, torch.Ten
 )
 def test_rope(hq, hkv, head_dim, dtype):
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(9, hq, head_dim, generator=gen).to(dtype)
-    k = torch.randn(9, hkv, head_dim, generator=gen).to(dtype)
-    positions = torch.tensor([0, 1, 2, 511, 17, 16, 15, 300, 3])
+    q = dev(torch.randn(9, hq, head_dim, generator=gen).to(dtype))
+    k = dev(torch.randn(9, hkv, head_dim, generator=gen).to(dtype))
+    positions = dev(torch.tensor([0, 1, 2, 511, 17, 16, 15, 300, 3]))
     cos, sin = _cos_sin(head_dim)
     ref_q, ref_k = rotary_embedding_reference(q, k, positions, cos, sin)
     out_q, out_k = rotary_embedding(q, k, positions, cos, sin)
@@ -70,12 +71,13 @@ def test_rope(hq, hkv, head_dim, dtype):
 
 def test_rope_position_zero_is_identity_and_views_are_rotated_in_place():
     gen = torch.Generator().manual_seed(4)
-    qkv = torch.randn(3, 4 + 2 + 2, 64, generator=gen)
+    qkv = dev(torch.randn(3, 4 + 2 + 2, 64, generator=gen))
     q, k = qkv[:, :4], qkv[:, 4:6]  # strided views, as cut from a fused projection
     before = qkv.clone()
     cos, sin = _cos_sin(64)
-    ref_q, ref_k = rotary_embedding_reference(q, k, torch.tensor([0, 7, 100]), cos, sin)
-    out_q, out_k = rotary_embedding(q, k, torch.tensor([0, 7, 100]), cos, sin)
+    positions = dev(torch.tensor([0, 7, 100]))
+    ref_q, ref_k = rotary_embedding_reference(q, k, positions, cos, sin)
+    out_q, out_k = rotary_embedding(q, k, positions, cos, sin)
     assert out_q.data_ptr() == q.data_ptr()
     torch.testing.assert_close(out_q[0], before[0, :4])
     torch.testing.assert_close(qkv[:, :4], ref_q) and torch.testing.assert_close(qkv[:, 4:6], ref_k)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What a lent GPU machine checks, in as few calls as possible (device time is counted in minutes).
+# Stages (default all, in order; pick with STAGES="..."): env, kernels (the Triton kernel tests on the
+# GPU), engine (the engine against HF and the torch backend on CUDA), bench_kernels (achieved bandwidth),
+# bench_engine (the batching benchmark on CUDA with a ~1B model, vs HF generate on the same GPU).
+# It uses the machine's own python3 and packages (no network there); logs go to $OUT (default
+# /tmp/gpu-check) and one tarball of them to $OUT/gpu-check.tgz.
+set -uo pipefail
+OUT=${OUT:-/tmp/gpu-check}
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+export PYTHONPATH="$PWD/src:$PWD/kernels:$PWD/client:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+PY=${PY:-python3}
+STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine"}
+ENGINE_MODEL=${ENGINE_MODEL:-llama1b}
+status=0
+
+stage() {  # name, timeout seconds, command...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$LOGS/$name.log" 2>&1
+    local rc=$?
+    tail -n "${TAIL:-15}" "$LOGS/$name.log"
+    echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+    [ "$rc" = 0 ] || status=1
+}
+
+for s in $STAGES; do
+    case $s in
+    env)
+        stage env 60 bash -c "nvidia-smi; $PY -c 'import torch, triton, transformers, tokenizers, safetensors; \
+print(\"torch\", torch.__version__, \"triton\", triton.__version__, \"transformers\", transformers.__version__, \
+\"tokenizers\", tokenizers.__version__); p = torch.cuda.get_device_properties(0); \
+print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'" ;;
+    kernels)
+        stage kernels 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "not cpu" ;;
+    engine)
+        stage engine 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernel_engine.py \
+            tests/test_engine_reference.py tests/test_bf16_reference.py tests/test_prefix_cache.py ;;
+    bench_kernels)
+        stage bench_kernels 200 "$PY" -m loadtest.bench_kernels --batches 1 4 16 64 256 --contexts 512 2048 8192 \
+            --json "$LOGS/bench_kernels.json" ;;
+    bench_engine)
+        stage bench_engine 380 "$PY" -m loadtest.bench_batching --device cuda --model "$ENGINE_MODEL" \
+            --dtype bfloat16 --skip overhead --no-progress --out "$LOGS/bench_engine" ;;
+    *) echo "unknown stage $s"; status=1 ;;
+    esac
+done
+tar czf "$OUT/gpu-check.tgz" -C "$OUT" logs
+exit $status
