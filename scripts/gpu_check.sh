@@ -12,7 +12,7 @@ mkdir -p "$LOGS"
 export PYTHONPATH="$PWD/src:$PWD/kernels:$PWD/client:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
 STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine"}
-ENGINE_MODEL=${ENGINE_MODEL:-llama1b}
+ENGINE_MODEL=${ENGINE_MODEL:-llama1b}  # ENGINE_ARGS: more bench_batching arguments (default: --skip overhead)
 status=0
 
 stage() {  # name, timeout seconds, command...
@@ -44,7 +44,7 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
             --json "$LOGS/bench_kernels.json" ;;
     bench_engine)
         stage bench_engine 380 "$PY" -m loadtest.bench_batching --device cuda --model "$ENGINE_MODEL" \
-            --dtype bfloat16 --skip overhead --no-progress --out "$LOGS/bench_engine" ;;
+            --dtype bfloat16 --no-progress --out "$LOGS/bench_engine" ${ENGINE_ARGS:---skip overhead} ;;
     *) echo "unknown stage $s"; status=1 ;;
     esac
 done
