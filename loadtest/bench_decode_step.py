@@ -14,6 +14,10 @@ cost a third as much again.
 Where the runner runs the layer stack as one C++ call (executor/cpu_forward.py), each step is also timed
 op by op (`LlamaForCausalLM.forward`, what that call replaces), the two taking turns: `per-op` and the
 ratio to the runner's time.
+
+`--device cuda` runs the same steps on a GPU through the Triton kernels (the floors measured there on a
+1 GiB copy and an 8192^3 matmul); `--profile` then also sums the GPU's kernel time of one step, so that
+step time minus kernel time is what launching from Python costs (what CUDA graphs would remove).
 """
 
 from __future__ import annotations
@@ -69,21 +73,28 @@ def paths(runner: ModelRunner) -> list[str]:
     return ["runner", "per_op"] if runner.cpu_forward is not None else ["runner"]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def time_step(runner: ModelRunner, seq_lens, query_lens, repeats: int) -> dict[str, float]:
     """Median seconds of one forward (all layers + logits of the last token of each sequence) per path,
     the paths taking turns so that a noisy minute hits both alike."""
     positions, meta0, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
-    ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),))
-    last = torch.from_numpy(meta0.query_start_loc_np[1:] - 1)
+    ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),)).to(runner.device)
+    last = torch.from_numpy(meta0.query_start_loc_np[1:] - 1).to(runner.device)
     times: dict[str, list[float]] = {path: [] for path in paths(runner)}
     with torch.inference_mode():
         for i in range(repeats + 1):
             for path, seconds in times.items():
                 forward = _forward(runner, path)
                 meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]  # fresh cache
+                _sync(runner.device)
                 t0 = time.perf_counter()
                 hidden = forward(ids, positions, meta)
                 runner.model.compute_logits(hidden[last])
+                _sync(runner.device)
                 if i:  # the first is a warm-up
                     seconds.append(time.perf_counter() - t0)
     return {path: float(np.median(seconds)) for path, seconds in times.items()}
@@ -93,14 +104,21 @@ def profile_step(runner: ModelRunner, seq_lens, query_lens, top: int = 12, path:
     from torch.profiler import ProfilerActivity, profile
 
     positions, meta, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
-    ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),))
+    ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),)).to(runner.device)
+    last = torch.from_numpy(meta.query_start_loc_np[1:] - 1).to(runner.device)
     forward = _forward(runner, path)
+    cuda = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.inference_mode():
         forward(ids, positions, meta)
         meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _sync(runner.device)
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
             hidden = forward(ids, positions, meta)
-            runner.model.compute_logits(hidden[torch.from_numpy(meta.query_start_loc_np[1:] - 1)])
+            runner.model.compute_logits(hidden[last])
+            _sync(runner.device)
+            wall = time.perf_counter() - t0
     events = prof.key_averages()
     # Top-level ops only (an op called from inside another op is not a separate dispatch): aten ops and
     # the C++ CPU ops (`inflight::*`, recorded by name).
@@ -112,30 +130,44 @@ def profile_step(runner: ModelRunner, seq_lens, query_lens, top: int = 12, path:
             counts[e.name] += 1
     total = sum(e.self_cpu_time_total for e in events)
     rows = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
-    return {
+    gpu = {}
+    if cuda:  # kernels on the GPU (their own time, not the CPU-side launch) and how many were launched
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu = {
+            "wall_ms": round(wall * 1e3, 3),
+            "gpu_kernel_ms": round(sum(e.device_time_total for e in kernels) / 1e3, 3),
+            "kernel_launches": len(kernels),
+        }
+    return gpu | {
         "top_level_ops": sum(counts.values()),
         "op_counts": dict(counts.most_common(top)),
         "self_time_share": {e.key: round(e.self_cpu_time_total / total, 3) for e in rows},
     }
 
 
-def measure_floors(dtype: torch.dtype, tries: int = 10) -> tuple[float, float]:
+def measure_floors(dtype: torch.dtype, tries: int = 10, device: torch.device | None = None) -> tuple[float, float]:
     """(copy bandwidth bytes/s, GEMM FLOP/s) on this machine in `dtype`: the best of `tries`, since the
     hardware's limit is what it reaches when nothing else runs, not the mean over a shared minute."""
-    src = torch.empty(64 * 2**20, dtype=torch.uint8)
+    device = device or torch.device("cpu")
+    gpu = device.type == "cuda"
+    copy_bytes, (m, k, n) = (2**30, (8192, 8192, 8192)) if gpu else (64 * 2**20, (512, 2048, 2048))
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     src.fill_(1)
     dst = torch.empty_like(src)
-    a = torch.randn(512, 2048).to(dtype)
-    b = torch.randn(2048, 2048).to(dtype)
+    a = torch.randn(m, k, device=device).to(dtype)  # random, not zeros: a GPU multiplies zeros faster
+    b = torch.randn(k, n, device=device).to(dtype)
     t_copy, t_mm = [], []
     for _ in range(tries):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         t_copy.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         a @ b
+        _sync(device)
         t_mm.append(time.perf_counter() - t0)
-    return 2 * src.numel() / min(t_copy), 2 * 512 * 2048 * 2048 / min(t_mm)
+    return 2 * src.numel() / min(t_copy), 2 * m * k * n / min(t_mm)
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -144,20 +176,23 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
-        model, cfg = load_model(model_dir, dtype, torch.device("cpu"))
+        device = torch.device(args.device)
+        model, cfg = load_model(model_dir, dtype, device)
         ctx = args.context
         blocks = -(-(ctx + args.prefill) // 16) * max(args.batch) + 64
-        runner = ModelRunner(model, blocks, 16, 4096, dtype, torch.device("cpu"), "torch")
+        backend = "triton" if device.type == "cuda" else "torch"
+        runner = ModelRunner(model, blocks, 16, 4096, dtype, device, backend)
         # GEMM weights (packed bf16 linears are not parameters any more) and the rest (norms, embeddings).
         gemm = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
         matmul_params = sum(m.in_features * m.out_features for m in gemm)
         elem = torch.empty((), dtype=dtype).element_size()
         norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
         weight_bytes = (matmul_params + norms) * elem  # what one decode step must read (not the embedding table)
-        bandwidth, flops = measure_floors(dtype)
+        bandwidth, flops = measure_floors(dtype, device=device)
         attn_flops_per_row = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * ctx
         row = {
             "dtype": dtype_name,
+            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
             "layer_stack": "cpu_forward" if runner.cpu_forward else "per_op",
             "bandwidth_GBps": bandwidth / 1e9,
             "gemm_GFLOPs": flops / 1e9,
@@ -213,6 +248,11 @@ def print_row(row: dict[str, Any]) -> None:
         if key in row:
             prof, name = row[key], row["layer_stack"] if key == "profile_decode" else "per_op"
             print(f"  {name}: top-level ops per decode step: {prof['top_level_ops']}; counts {prof['op_counts']}")
+            if "gpu_kernel_ms" in prof:
+                print(
+                    f"  {name}: step {prof['wall_ms']:.2f} ms, GPU kernels {prof['gpu_kernel_ms']:.2f} ms "
+                    f"({prof['kernel_launches']} launches): the rest is launching from Python"
+                )
             print(f"  {name}: self-time share: {prof['self_time_share']}")
 
 
@@ -227,6 +267,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--profile", action="store_true")
     p.add_argument("--profile-batch", type=int, default=32)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     return run(p.parse_args(argv))
 
 

@@ -2,7 +2,8 @@
 # What a lent GPU machine checks, in as few calls as possible (device time is counted in minutes).
 # Stages (default all, in order; pick with STAGES="..."): env, kernels (the Triton kernel tests on the
 # GPU), engine (the engine against HF and the torch backend on CUDA), bench_kernels (achieved bandwidth),
-# bench_engine (the batching benchmark on CUDA with a ~1B model, vs HF generate on the same GPU).
+# bench_engine (the batching benchmark on CUDA with a ~1B model, vs HF generate on the same GPU),
+# decode_step (that model's forward alone against the GPU's floors, and its kernel time vs launch time).
 # It uses the machine's own python3 and packages (no network there); logs go to $OUT (default
 # /tmp/gpu-check) and one tarball of them to $OUT/gpu-check.tgz.
 set -uo pipefail
@@ -11,7 +12,7 @@ LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD/src:$PWD/kernels:$PWD/client:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
-STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine"}
+STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine decode_step"}
 ENGINE_MODEL=${ENGINE_MODEL:-llama1b}  # ENGINE_ARGS: more bench_batching arguments (default: --skip overhead)
 status=0
 
@@ -45,6 +46,9 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
     bench_engine)
         stage bench_engine 380 "$PY" -m loadtest.bench_batching --device cuda --model "$ENGINE_MODEL" \
             --dtype bfloat16 --no-progress --out "$LOGS/bench_engine" ${ENGINE_ARGS:---skip overhead} ;;
+    decode_step)
+        stage decode_step 300 "$PY" -m loadtest.bench_decode_step --device cuda --model "$ENGINE_MODEL" \
+            --dtype bfloat16 --batch 1 16 64 256 --context 1024 --prefill 1024 --profile --profile-batch 64 ;;
     *) echo "unknown stage $s"; status=1 ;;
     esac
 done
