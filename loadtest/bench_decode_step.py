@@ -69,8 +69,9 @@ def _forward(runner: ModelRunner, path: str):
 
 
 def paths(runner: ModelRunner) -> list[str]:
-    """The runner's own forward, and the per-op path too where the runner uses cpu_forward."""
-    return ["runner", "per_op"] if runner.cpu_forward is not None else ["runner"]
+    """The runner's own forward, and the per-op path too where the runner replaces it (the one-call CPU
+    step, or CUDA graphs for decode steps)."""
+    return ["runner", "per_op"] if runner.cpu_forward is not None or runner.cuda_graphs is not None else ["runner"]
 
 
 def _sync(device: torch.device) -> None:
@@ -193,7 +194,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         row = {
             "dtype": dtype_name,
             "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "layer_stack": "cpu_forward" if runner.cpu_forward else "per_op",
+            "layer_stack": "cpu_forward" if runner.cpu_forward else "cuda_graphs" if runner.cuda_graphs else "per_op",
             "bandwidth_GBps": bandwidth / 1e9,
             "gemm_GFLOPs": flops / 1e9,
             "steps": [],
@@ -251,7 +252,7 @@ def print_row(row: dict[str, Any]) -> None:
             if "gpu_kernel_ms" in prof:
                 print(
                     f"  {name}: step {prof['wall_ms']:.2f} ms, GPU kernels {prof['gpu_kernel_ms']:.2f} ms "
-                    f"({prof['kernel_launches']} launches): the rest is launching from Python"
+                    f"({prof['kernel_launches']} launches); the rest is host time (launches, Python, the profiler)"
                 )
             print(f"  {name}: self-time share: {prof['self_time_share']}")
 

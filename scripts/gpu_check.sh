@@ -39,7 +39,8 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
         stage kernels 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "not cpu" ;;
     engine)
         stage engine 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernel_engine.py \
-            tests/test_engine_reference.py tests/test_bf16_reference.py tests/test_prefix_cache.py ;;
+            tests/test_engine_reference.py tests/test_bf16_reference.py tests/test_prefix_cache.py \
+            tests/test_cuda_graphs.py ;;
     bench_kernels)
         stage bench_kernels 200 "$PY" -m loadtest.bench_kernels --batches 1 4 16 64 256 --contexts 512 2048 8192 \
             --json "$LOGS/bench_kernels.json" ;;

@@ -56,6 +56,7 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     kv_reservation: str = "paged"
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # GPU: launch every decode step's kernels from Python instead of CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
     # Bounds on what one request may cost (errors name the field and the limit).

@@ -63,6 +63,7 @@ class LLMEngine:
             config.resolved_attention_backend(),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
+            enforce_eager=config.enforce_eager,
         )
         self.sampler = Sampler(mc.vocab_size, sorted(self.eos_token_ids))
         self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))

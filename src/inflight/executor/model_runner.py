@@ -17,6 +17,7 @@ import torch
 
 from inflight.executor.attention import AttentionMetadata, get_backend
 from inflight.executor.cpu_forward import CpuForward
+from inflight.executor.cuda_graphs import CudaGraphRunner
 from inflight.executor.input_batch import BatchInputs, InputBatch
 from inflight.executor.sampler import SamplingMetadata
 from inflight.models.llama import LlamaForCausalLM
@@ -94,6 +95,7 @@ class ModelRunner:
         attention_backend: str,
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
+        enforce_eager: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model = model
@@ -109,6 +111,12 @@ class ModelRunner:
         # The layer stack as one C++ call a step where it covers the model (CPU, our GEMM, the C++ ops).
         self.cpu_forward = CpuForward(model, self.kv_caches) if CpuForward.supported(model, self.ops) else None
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_num_batched_tokens, block_size, device)
+        # Decode steps replayed from CUDA graphs where the kernels are compiled (not under the interpreter).
+        self.cuda_graphs = None
+        if device.type == "cuda" and attention_backend == "triton" and not enforce_eager:
+            max_blocks = self.input_batch.block_table.cpu.shape[1]
+            max_decode = min(max_num_seqs, max_num_batched_tokens)
+            self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, self.ops, max_decode, max_blocks, device)
         self.max_threads = torch.get_num_threads()
         passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
@@ -143,6 +151,8 @@ class ModelRunner:
         """The layer stack: [T] tokens -> [T, hidden] final-norm outputs (the step's K/V written)."""
         if self.cpu_forward is not None:
             return self.cpu_forward(input_ids, positions, meta)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids, meta):
+            return self.cuda_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta, self.kv_caches, self.ops)
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ from inflight_kernels.kv_write import write_kv
 from inflight_kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
 from inflight_kernels.rms_norm import fused_add_rms_norm, rms_norm
 from inflight_kernels.rope import rotary_embedding
+from inflight_kernels.split_k_decode import device_sm_count, num_kv_splits
 
 from inflight.executor.attention.metadata import AttentionMetadata
 
@@ -39,7 +40,7 @@ class TritonBackend:
         key: torch.Tensor | None = None,  # unused: the kernel reads every context token from the cache
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        plan = self._plan(meta, query.shape[1], k_cache.shape[2], query.device)
+        plan = self.plan(meta, query.shape[1], k_cache.shape[2], query.device)
         return paged_attention(
             query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, plan
         )
@@ -70,11 +71,24 @@ class TritonBackend:
         return torch.nn.functional.silu(gate) * up
 
     @staticmethod
-    def _plan(meta: AttentionMetadata, num_q_heads: int, num_kv_heads: int, device: torch.device) -> AttentionPlan:
+    def plan(
+        meta: AttentionMetadata,
+        num_q_heads: int,
+        num_kv_heads: int,
+        device: torch.device,
+        num_splits: int | None = None,
+    ) -> AttentionPlan:
+        """The step's plan, made on its first layer and kept in `meta.cache` for the others (a CUDA graph
+        makes it before capturing, with the split-K count of its key)."""
         key = f"triton_plan:{num_q_heads}:{num_kv_heads}"
         plan = meta.cache.get(key)
         if plan is None:
             plan = meta.cache[key] = plan_attention(
-                meta.query_start_loc_np, meta.seq_lens_np, num_q_heads, num_kv_heads, device
+                meta.query_start_loc_np, meta.seq_lens_np, num_q_heads, num_kv_heads, device, num_splits
             )
         return plan
+
+    @staticmethod
+    def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, max_query_len: int, device: torch.device) -> int:
+        """The split-K count `plan` would pick for such a step."""
+        return num_kv_splits(num_seqs, num_kv_heads, max_seq_len, max_query_len, device_sm_count(device))

@@ -1,0 +1,67 @@
+"""CUDA graphs for decode steps (executor/cuda_graphs.py): replays against eager launches, on a GPU only.
+
+On a machine without one only the size rule runs; the rest is run on a lent GPU (scripts/gpu_check.sh).
+The HF-reference tests (tests/test_engine_reference.py) also run through the graphs there, since the
+engine uses them by default on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import PROMPTS, capture_logits
+
+from inflight import LLM, SamplingParams
+from inflight.executor.cuda_graphs import capture_sizes
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+def test_capture_sizes_cover_every_batch_up_to_the_limit():
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(1) == [1]
+    for limit in (1, 3, 20, 64, 100):
+        sizes = capture_sizes(limit)
+        assert sizes[-1] == limit and all(any(s >= b for s in sizes) for b in range(1, limit + 1))
+
+
+def _generate(model_dir: str, enforce_eager: bool, prompts: list[str], max_tokens: list[int]):
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        device="cuda",
+        enforce_eager=enforce_eager,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        num_kv_blocks=512,
+        max_model_len=2048,
+    )
+    captured = capture_logits(llm.engine)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm, [list(o.token_ids) for o in outs], captured
+
+
+@gpu
+def test_replayed_decode_steps_match_eager_ones(demo_model_dir):
+    # Requests of different lengths finish at different steps, so the decode batch shrinks through
+    # several padded sizes (rows a larger batch used become pads again); one prompt of ~1100 tokens
+    # makes the small late batches split the KV (a second graph key for the same size).
+    long_prompt = " ".join(PROMPTS) * 12
+    prompts = [*PROMPTS[:6], long_prompt]
+    max_tokens = [3, 9, 17, 5, 24, 12, 30]
+    eager, eager_ids, eager_logits = _generate(demo_model_dir, True, prompts, max_tokens)
+    graphs, graph_ids, graph_logits = _generate(demo_model_dir, False, prompts, max_tokens)
+
+    assert eager.engine.runner.cuda_graphs is None
+    runner = graphs.engine.runner.cuda_graphs
+    assert runner.replays > 0 and len({size for size, _ in runner.graphs}) >= 3
+    assert any(splits > 1 for _, splits in runner.graphs), "the long prompt meant to split the KV"
+    assert graph_ids == eager_ids
+    assert [len(ids) for ids in graph_ids] == max_tokens
+    assert len(graph_logits) == len(eager_logits)
+    for (_, pos_a, a), (_, pos_b, b) in zip(eager_logits, graph_logits):
+        assert pos_a == pos_b
+        torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+    assert graphs.engine.block_manager.num_used_blocks == 0
