@@ -20,6 +20,7 @@ step to rounding, not bit for bit (tested on a GPU; greedy tokens equal on the d
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -37,7 +38,9 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    """Captures lazily on a key's first step (a warm-up run, then the capture: tens of ms), then replays."""
+    """Replays a graph per (padded batch size, split-K count). `capture_all` captures every size with one KV
+    pass up front (the key of every batch that fills the GPU, and of small ones over short contexts); a
+    split-K key is captured on its first step (a warm-up run, then the capture: tens of ms)."""
 
     def __init__(
         self,
@@ -62,7 +65,18 @@ class CudaGraphRunner:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]] = {}
         self.pool = None  # one memory pool for all graphs: only one runs at a time
-        self.replays = 0
+        self.replays: dict[tuple[int, int], int] = {}  # per key: how many steps replayed it
+
+    def capture_all(self) -> None:
+        t0 = time.perf_counter()
+        for size in reversed(self.sizes):  # largest first: the shared pool is sized once
+            if (size, 1) not in self.graphs:
+                self._capture(size, 1)
+        logger.info(
+            "captured CUDA graphs for decode batches of %s sequences in %.1f s",
+            ", ".join(map(str, self.sizes)),
+            time.perf_counter() - t0,
+        )
 
     def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
         b = len(meta.seq_lens_np)
@@ -84,7 +98,7 @@ class CudaGraphRunner:
             self.slot_mapping[b:size].fill_(-1)
             self.seq_lens[b:size].fill_(1)
         graph.replay()
-        self.replays += 1
+        self.replays[(size, splits)] = self.replays.get((size, splits), 0) + 1
         return hidden[:b]
 
     def _capture(self, size: int, splits: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, AttentionMetadata]:

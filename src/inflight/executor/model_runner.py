@@ -117,6 +117,7 @@ class ModelRunner:
             max_blocks = self.input_batch.block_table.cpu.shape[1]
             max_decode = min(max_num_seqs, max_num_batched_tokens)
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, self.ops, max_decode, max_blocks, device)
+            self.cuda_graphs.capture_all()
         self.max_threads = torch.get_num_threads()
         passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
