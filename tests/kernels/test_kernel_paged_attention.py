@@ -128,7 +128,7 @@ def test_split_rule():
 
 def test_plan_picks_split_automatically_and_tiles_every_query():
     one = np.array([0, 1], dtype=np.int32)
-    plan = plan_attention(one, np.array([4096], dtype=np.int32), 32, 8, torch.device("cpu"))
+    plan = plan_attention(one, np.array([8192], dtype=np.int32), 32, 8, torch.device("cpu"))
     assert plan.num_splits == MAX_SPLITS
     two = np.array([0, 1, 2], dtype=np.int32)  # 16 programs: 9 slices would fill 132 SMs, 4096 tokens allow 8
     assert plan_attention(two, np.array([4096, 30], dtype=np.int32), 32, 8, torch.device("cpu")).num_splits == 8
