@@ -25,6 +25,7 @@ _HELP = {
     "max_model_len": "longest prompt + output (default: the checkpoint's)",
     "seed": "seed for requests that bring none",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: on)",
+    "enforce_eager": "GPU: launch decode steps' kernels one by one instead of replaying CUDA graphs (default: off)",
     "dtype": "auto: the checkpoint's on GPU; on CPU bfloat16 with AMX / AVX512-BF16, else float32 (logged)",
 }
 _CHOICES = {
