@@ -67,6 +67,7 @@ class CudaGraphRunner:
         self.pool = None  # one memory pool for all graphs: only one runs at a time
         self.replays: dict[tuple[int, int], int] = {}  # per key: how many steps replayed it
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         t0 = time.perf_counter()
         for size in reversed(self.sizes):  # largest first: the shared pool is sized once
