@@ -177,6 +177,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=64, help="client streams in flight")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="both sides' device")
+    p.add_argument("--dtype", default="auto", help="both sides' dtype")
     p.add_argument("--out", type=Path, default=Path("loadtest/results"))
     return p.parse_args(argv)
 
@@ -189,7 +191,8 @@ def engine_args(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "num_kv_blocks": args.max_num_seqs * math.ceil(max_len / 16),
         "block_size": 16,
-        "device": "cpu",
+        "device": args.device,
+        "dtype": args.dtype,
     }
 
 

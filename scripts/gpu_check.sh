@@ -3,7 +3,12 @@
 # Stages (default all, in order; pick with STAGES="..."): env, kernels (the Triton kernel tests on the
 # GPU), engine (the engine against HF and the torch backend on CUDA), bench_kernels (achieved bandwidth),
 # bench_engine (the batching benchmark on CUDA with a ~1B model, vs HF generate on the same GPU),
-# decode_step (that model's forward alone against the GPU's floors, and its kernel time vs launch time).
+# decode_step (that model's forward alone against the GPU's floors, and its kernel time vs launch time),
+# serving (not in the default list: the served path through a real tritonserver vs in-process, on CUDA).
+# `serving` needs what that machine lacks, carried in .whl/ (listed in .git/info/exclude; ~58 MB, under the
+# device tool's 64 MiB): the nvidia-pytriton 0.7.0 wheel without its Python 3.13 library and the other
+# Pythons' stubs, zipped as pytriton_trim.zip; tritonclient 2.73.0; numpy 1.26.4 for Python 3.12 (the
+# launcher gives the backend stub a numpy-1 environment and installs it from .whl/ there: no network).
 # It uses the machine's own python3 and packages (no network there); logs go to $OUT (default
 # /tmp/gpu-check) and one tarball of them to $OUT/gpu-check.tgz.
 set -uo pipefail
@@ -50,6 +55,24 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
     decode_step)
         stage decode_step 300 "$PY" -m loadtest.bench_decode_step --device cuda --model "$ENGINE_MODEL" \
             --dtype bfloat16 --batch 1 16 64 256 --context 1024 --prefill 1024 --profile --profile-batch 64 ;;
+    serving)
+        site=/tmp/gpu-check-site
+        rm -rf "$site" && mkdir -p "$site"
+        "$PY" - "$site" <<'PYEOF'
+import os, sys, zipfile
+site = sys.argv[1]
+with zipfile.ZipFile(".whl/pytriton_trim.zip") as z:
+    for info in z.infolist():
+        path = z.extract(info, site)
+        mode = info.external_attr >> 16
+        if mode:
+            os.chmod(path, mode & 0o7777)
+PYEOF
+        "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/tritonclient-*.whl
+        stage serving 480 env PYTHONPATH="$site:$PYTHONPATH" PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" \
+            "$PY" -m loadtest.serving_overhead --device cuda --model "$ENGINE_MODEL" --dtype bfloat16 \
+            --max-num-seqs 64 --out "$LOGS/serving"
+        tail -n 30 "$LOGS/serving/tritonserver.log" 2>/dev/null ;;
     *) echo "unknown stage $s"; status=1 ;;
     esac
 done
