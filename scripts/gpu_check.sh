@@ -68,7 +68,11 @@ with zipfile.ZipFile(".whl/pytriton_trim.zip") as z:
         if mode:
             os.chmod(path, mode & 0o7777)
 PYEOF
-        "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/tritonclient-*.whl
+        "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/tritonclient-*.whl .whl/python_rapidjson-*.whl
+        # What an editable install does: the backend stub's Python finds this checkout through a .pth in the
+        # environment's site dir (it does not see PYTHONPATH).
+        purelib=$("$PY" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+        printf '%s\n' "$site" "$PWD/src" "$PWD/kernels" "$PWD/client" "$PWD" >"$purelib/inflight_gpu_check.pth"
         stage serving 480 env PYTHONPATH="$site:$PYTHONPATH" PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" \
             "$PY" -m loadtest.serving_overhead --device cuda --model "$ENGINE_MODEL" --dtype bfloat16 \
             --max-num-seqs 64 --out "$LOGS/serving"
