@@ -178,6 +178,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="both sides' device")
+    p.add_argument(
+        "--stream-interval", type=int, default=1, help="the server's stream_interval (tokens per streamed response)"
+    )
     p.add_argument("--dtype", default="auto", help="both sides' dtype")
     p.add_argument("--out", type=Path, default=Path("loadtest/results"))
     return p.parse_args(argv)
@@ -219,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trace": {"num_requests": len(jobs), "output_tokens": sum(j.output_len for j in jobs)},
         "concurrency": args.concurrency,
         "engine": eargs,
+        "stream_interval": args.stream_interval,
         "in_process": local.summary(),
         "served": served.summary(),
     }
@@ -242,7 +246,7 @@ def _served(args, model_dir: Path, eargs: dict[str, Any], jobs: Sequence[Job]) -
     args.out.mkdir(parents=True, exist_ok=True)
     step_log = (args.out / "server_steps.jsonl").resolve()
     step_log.unlink(missing_ok=True)
-    params = dict(eargs, model=str(model_dir.resolve()), step_log=str(step_log))
+    params = dict(eargs, model=str(model_dir.resolve()), step_log=str(step_log), stream_interval=args.stream_interval)
     log = args.out / "tritonserver.log"
     with TritonServer(parameters=params, http_port=0, grpc_port=0, metrics_port=0, log=log) as srv:
         srv.wait_ready(timeout_s=300)

@@ -81,6 +81,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--metrics-port", type=int, default=8002, help="0 = any free port")
     p.add_argument("--model-repository", default=None, help="default: the project's model_repository/")
     p.add_argument("--step-log", default=None, help="append one JSON line of engine step stats per step here")
+    p.add_argument(
+        "--stream-interval",
+        type=int,
+        default=None,
+        help="tokens per intermediate streamed response, at least (the first goes out at once; default 1)",
+    )
     p.add_argument("--tritonserver", default=None, help="tritonserver binary (default: found automatically)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver's --log-verbose level")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other config.pbtxt parameter")
@@ -137,6 +143,8 @@ def _serve(ns: argparse.Namespace) -> int:
         parameters["model"] = model
     if ns.step_log is not None:
         parameters["step_log"] = ns.step_log
+    if ns.stream_interval is not None:
+        parameters["stream_interval"] = ns.stream_interval
     for item in ns.param:
         key, sep, value = item.partition("=")
         if not sep or not key:

@@ -31,7 +31,8 @@ from inflight.serving.metrics import TritonMetrics
 
 log = logging.getLogger("inflight.server")
 
-SERVER_PARAMETERS = ("model", "step_log")  # the rest of config.pbtxt's parameters are EngineConfig fields
+# The rest of config.pbtxt's parameters are EngineConfig fields.
+SERVER_PARAMETERS = ("model", "step_log", "stream_interval")
 _ERROR_CODES = {
     ErrorKind.INVALID: "INVALID_ARG",
     ErrorKind.INTERNAL: "INTERNAL",
@@ -48,6 +49,10 @@ class ServerSettings:
     model_dir: str
     engine_config: EngineConfig
     step_log: str | None = None
+    # vLLM's stream_interval: a stream's intermediate responses carry at least this many tokens (its first
+    # response goes out with its first token, its last whenever it ends). Fewer, larger responses cost the
+    # server, the Python backend's IPC and the client less per token; 1 sends every token at once.
+    stream_interval: int = 1
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str]) -> ServerSettings:
@@ -63,7 +68,12 @@ class ServerSettings:
                 kwargs[name] = _parse(name, raw.strip(), engine_fields[name])
         config = EngineConfig.from_kwargs(kwargs)
         model = parameters.get("model", "").strip()
-        return cls(model or str(cached_demo_model()), config, parameters.get("step_log", "").strip() or None)
+        interval = parameters.get("stream_interval", "").strip()
+        stream_interval = _parse("stream_interval", interval, int) if interval else 1
+        if stream_interval < 1:
+            raise ConfigError(f"config.pbtxt parameter stream_interval={stream_interval} is invalid: must be >= 1")
+        step_log = parameters.get("step_log", "").strip() or None
+        return cls(model or str(cached_demo_model()), config, step_log, stream_interval)
 
 
 def _parse(name: str, raw: str, kind: type) -> object:
@@ -84,8 +94,18 @@ class ResponseWriter:
     response with the whole text. Optional outputs are per-response deltas, as in the vLLM backend.
     """
 
-    def __init__(self, request, req: DecodedRequest, tokenizer, metrics: TritonMetrics | None, arrival: float):
+    def __init__(
+        self,
+        request,
+        req: DecodedRequest,
+        tokenizer,
+        metrics: TritonMetrics | None,
+        arrival: float,
+        stream_interval: int = 1,
+    ):
         self.request = request  # keep the Triton request alive until its final response
+        self.stream_interval = stream_interval
+        self._sent = False
         self.sender = request.get_response_sender()
         self.req = req
         self.tokenizer = tokenizer
@@ -112,7 +132,7 @@ class ResponseWriter:
         if out.finished:
             self._send(out, final=True)
             self._observe(out, now)
-        elif self.req.stream and out.new_text:
+        elif self.req.stream and out.new_text and (not self._sent or self._num_tokens >= self.stream_interval):
             self._send(out, final=False)
 
     def on_error(self, kind: ErrorKind, message: str) -> None:
@@ -141,6 +161,7 @@ class ResponseWriter:
         self._text, self._num_tokens, self._logprobs = [], 0, []
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.sender.send(response, flags=flags)
+        self._sent = True
         if final:  # only once it went out: if send raised, on_error still owes the client a final response
             self.done = True
             self.request = None
@@ -171,6 +192,7 @@ class TritonPythonModel:
         settings = ServerSettings.from_parameters(parameters)
         log.info("loading %s with %s", settings.model_dir, settings.engine_config)
         self.engine = LLMEngine(settings.model_dir, settings.engine_config)
+        self.stream_interval = settings.stream_interval
         self.tokenizer = load_tokenizer(settings.model_dir)  # the adapter's own: logprob text, off the engine
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = _make_metrics(labels)
@@ -204,7 +226,7 @@ class TritonPythonModel:
                 log.exception("decoding a request failed")
                 self._reject(request, ErrorKind.INTERNAL, f"could not decode the request: {e!r}")
                 continue
-            writer = ResponseWriter(request, decoded, self.tokenizer, self.metrics, arrival)
+            writer = ResponseWriter(request, decoded, self.tokenizer, self.metrics, arrival, self.stream_interval)
             request_id = f"{next(self._ids)}-{request.request_id()}"
             self.loop.submit(
                 Submission(request_id, prompt_token_ids, decoded.params, writer, decoded.priority, arrival)
