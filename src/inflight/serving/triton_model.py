@@ -87,11 +87,12 @@ def _parse(name: str, raw: str, kind: type) -> object:
 
 
 class ResponseWriter:
-    """Turns one request's engine outputs into Triton responses (engine thread only).
+    """Turns one request's engine outputs into Triton responses (called from the responder thread only).
 
-    Streaming sends each non-empty text delta at once and never an empty intermediate response; the
-    final response carries whatever is left (possibly "") and the FINAL flag. Non-streaming sends one
-    response with the whole text. Optional outputs are per-response deltas, as in the vLLM backend.
+    Streaming sends the first non-empty text delta at once, then one once `stream_interval` tokens have
+    gathered since the last response, and never an empty intermediate response; the final response carries
+    whatever is left (possibly "") and the FINAL flag. Non-streaming sends one response with the whole text.
+    Optional outputs are per-response deltas, as in the vLLM backend.
     """
 
     def __init__(
