@@ -7,8 +7,11 @@
 # serving (not in the default list: the served path through a real tritonserver vs in-process, on CUDA).
 # `serving` needs what that machine lacks, carried in .whl/ (listed in .git/info/exclude; ~58 MB, under the
 # device tool's 64 MiB): the nvidia-pytriton 0.7.0 wheel without its Python 3.13 library and the other
-# Pythons' stubs, zipped as pytriton_trim.zip; tritonclient 2.73.0; numpy 1.26.4 for Python 3.12 (the
-# launcher gives the backend stub a numpy-1 environment and installs it from .whl/ there: no network).
+# Pythons' stubs, zipped as pytriton_trim.zip; tritonclient 2.73.0 and python-rapidjson (cp312); numpy
+# 1.26.4 for Python 3.12 (the launcher gives the backend stub a numpy-1 environment and installs it from
+# .whl/ there: no network). Fetch them with `pip download --no-deps --only-binary=:all: --python-version
+# 3.12 --platform manylinux_2_17_x86_64 ...`, unzip the pytriton wheel, delete
+# nvidia_pytriton.libs/libpython3-*.13.so* and python_backend_stubs/ other than 3.12, zip it again.
 # It uses the machine's own python3 and packages (no network there); logs go to $OUT (default
 # /tmp/gpu-check) and one tarball of them to $OUT/gpu-check.tgz.
 set -uo pipefail
