@@ -7,12 +7,14 @@ engine uses them by default on CUDA.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from helpers import PROMPTS, capture_logits
 
 from inflight import LLM, SamplingParams
-from inflight.executor.cuda_graphs import capture_sizes
+from inflight.executor.attention import AttentionMetadata
+from inflight.executor.cuda_graphs import capture_sizes, is_decode_only
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
@@ -24,6 +26,18 @@ def test_capture_sizes_cover_every_batch_up_to_the_limit():
     for limit in (1, 3, 20, 64, 100):
         sizes = capture_sizes(limit)
         assert sizes[-1] == limit and all(any(s >= b for s in sizes) for b in range(1, limit + 1))
+
+
+def _meta(query_start_loc: list[int]) -> AttentionMetadata:
+    qsl = np.array(query_start_loc)
+    empty = torch.empty(0)
+    return AttentionMetadata(empty, empty, empty, empty, qsl, np.full(len(qsl) - 1, 9))
+
+
+def test_only_one_token_per_sequence_is_decode_only():
+    assert is_decode_only(torch.zeros(3), _meta([0, 1, 2, 3]))
+    assert not is_decode_only(torch.zeros(3), _meta([0, 0, 2, 3]))  # 3 tokens, 3 sequences, one with none
+    assert not is_decode_only(torch.zeros(4), _meta([0, 1, 2, 4]))  # a 2-token chunk
 
 
 def _generate(model_dir: str, enforce_eager: bool, prompts: list[str], max_tokens: list[int]):

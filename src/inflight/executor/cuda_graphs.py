@@ -31,6 +31,13 @@ from inflight.executor.attention import AttentionMetadata
 logger = logging.getLogger("inflight")
 
 
+def is_decode_only(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Every sequence queries exactly one token (query_start_loc is 0, 1, ..., B): what the graphs assume.
+    One token per sequence on average is not enough: a sequence with none would shift the others' rows."""
+    qsl = meta.query_start_loc_np
+    return input_ids.shape[0] == len(qsl) - 1 and bool((np.diff(qsl) == 1).all())
+
+
 def capture_sizes(max_num_seqs: int) -> list[int]:
     """Padded batch sizes: 1, 2, 4, then multiples of 8 (vLLM's choice), up to max_num_seqs."""
     sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs, 8))
@@ -80,8 +87,7 @@ class CudaGraphRunner:
         )
 
     def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        b = len(meta.seq_lens_np)
-        return 0 < b <= self.sizes[-1] and input_ids.shape[0] == b  # one token per sequence
+        return 0 < len(meta.seq_lens_np) <= self.sizes[-1] and is_decode_only(input_ids, meta)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """[B] decode tokens -> [B, hidden], the K/V of the step written, through a replay."""
