@@ -1,6 +1,7 @@
 """CUDA graphs for decode steps (executor/cuda_graphs.py): replays against eager launches, on a GPU only.
 
-On a machine without one only the size rule runs; the rest is run on a lent GPU (scripts/gpu_check.sh).
+On a machine without one only the size rule and the decode-only predicate run; the rest runs on a lent GPU
+(scripts/gpu_check.sh).
 The HF-reference tests (tests/test_engine_reference.py) also run through the graphs there, since the
 engine uses them by default on CUDA.
 """
