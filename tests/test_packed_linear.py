@@ -72,7 +72,8 @@ def test_tied_lm_head_is_not_packed(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    ("in_features", "out_features", "bias"), [(704, 512, False), (1536, 742, True), (4096, 512, False)]
+    ("in_features", "out_features", "bias"),
+    [(704, 512, False), (1536, 742, True), (4096, 512, False), (528, 100, True)],  # 528: not whole AMX tiles
 )
 def test_rows_do_not_depend_on_how_many_share_the_call(dtype, in_features, out_features, bias):
     """Batch invariance: a row's output is the same alone, in 2, 3, 16 or 64 rows. oneDNN sums K in
@@ -111,3 +112,17 @@ def test_tied_bf16_head_shares_the_embedding_and_pads_a_lone_row(tmp_path):
     hidden = torch.randn(512, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.inference_mode():
         assert torch.equal(torch.cat([head(h[None]) for h in hidden]), head(hidden))
+
+
+def test_bf16_gemm_takes_amx_tiles_where_the_cpu_has_them():
+    """On a CPU with AMX our bf16 GEMM runs on its tiles (4-5x the AVX512-BF16 kernel at 64 rows on
+    llama50m's shapes, `python -m loadtest.bench_gemm`); elsewhere, or with a K that is not whole 32-wide
+    tiles (the 528 case above), on AVX512-BF16."""
+    from test_bf16_reference import cpuinfo_flags
+
+    from inflight.models import cpu_gemm
+
+    module = cpu_gemm.load()
+    if module is None or not module.supports_bf16():
+        pytest.skip("no AVX512-BF16 build on this machine")
+    assert module.amx_bf16() == ({"amx_tile", "amx_bf16"} <= cpuinfo_flags())
