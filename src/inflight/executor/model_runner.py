@@ -169,8 +169,11 @@ class ModelRunner:
         try:
             t0 = time.perf_counter()
             hidden = self.forward(inputs.input_ids, inputs.positions, meta)
-            last = torch.from_numpy(meta.query_start_loc_np[1:][sample_rows] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[last])
+            last = meta.query_start_loc_np[1:][sample_rows] - 1
+            # A decode step samples every row in order: no gather (it cost ~45 us a step, ~2% of a small model's).
+            if len(last) != len(hidden) or not np.array_equal(last, np.arange(len(hidden))):
+                hidden = hidden[torch.from_numpy(last).to(self.device)]
+            logits = self.model.compute_logits(hidden)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             forward_time = time.perf_counter() - t0
