@@ -428,10 +428,35 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
         }
         if constexpr (SIMD) {
 #if HAVE_SIMD_ATTENTION
-          // Each head's accumulator stays in registers across the block's V rows (widened once per head).
+          // Each head's accumulator stays in registers across the block's V rows. Two heads of a GQA group
+          // at a time share each V row's loads and widening, and give 2C independent FMA chains instead of
+          // C (one head's C chains, each a dependent FMA per token, waited on the FMA's latency). Every
+          // accumulator still adds its tokens in order: the same bits as one head at a time.
           constexpr int C = D_FIXED / 16;
           for (int64_t hh = 0; hh < nh; ++hh) {
-            for (int64_t g = 0; g < G; ++g) {
+            int64_t g = 0;
+            for (; g + 1 < G; g += 2) {
+              const int64_t x0 = hh * G + g, x1 = x0 + 1;
+              __m512 a0[C], a1[C];
+              for (int c = 0; c < C; ++c) {
+                a0[c] = _mm512_loadu_ps(acc + x0 * D + 16 * c);
+                a1[c] = _mm512_loadu_ps(acc + x1 * D + 16 * c);
+              }
+              for (int64_t i = 0; i < n; ++i) {
+                const __m512 p0 = _mm512_set1_ps(sc[x0 * bs + i]), p1 = _mm512_set1_ps(sc[x1 * bs + i]);
+                const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
+                for (int c = 0; c < C; ++c) {
+                  const __m512 vc = load16(v + 16 * c);
+                  a0[c] = _mm512_fmadd_ps(p0, vc, a0[c]);
+                  a1[c] = _mm512_fmadd_ps(p1, vc, a1[c]);
+                }
+              }
+              for (int c = 0; c < C; ++c) {
+                _mm512_storeu_ps(acc + x0 * D + 16 * c, a0[c]);
+                _mm512_storeu_ps(acc + x1 * D + 16 * c, a1[c]);
+              }
+            }
+            for (; g < G; ++g) {
               const int64_t x = hh * G + g;
               __m512 a[C];
               for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + x * D + 16 * c);
