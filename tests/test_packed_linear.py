@@ -137,3 +137,24 @@ def _kernel_grants_amx() -> bool:
     libc = ctypes.CDLL(None, use_errno=True)
     sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # x86-64
     return libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0
+
+
+def test_loading_a_bf16_model_says_where_its_gemms_run(demo_model_dir, caplog):
+    """The operator sees whether the AMX tiles are in use (a CPU without them, or a kernel or seccomp filter
+    that refuses their state, leaves bf16 on the slower AVX512-BF16 kernel)."""
+    import logging
+
+    from test_bf16_reference import cpuinfo_flags
+
+    from inflight.models import cpu_gemm
+
+    if not cpu_gemm.supports(torch.bfloat16, 64):
+        pytest.skip("no AVX512-BF16 build on this machine")
+    with caplog.at_level(logging.INFO, logger="inflight"):
+        model, cfg = load_model(demo_model_dir, torch.bfloat16, "cpu")
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bf16 GEMMs:")]
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.own_gemm]
+    tiles = sum(cpu_gemm.amx_for(m.in_features) for m in packed)
+    assert lines == [f"bf16 GEMMs: {tiles} of {len(packed)} layers on AMX tiles, the rest on AVX512-BF16"]
+    if {"amx_tile", "amx_bf16"} <= cpuinfo_flags() and _kernel_grants_amx():
+        assert tiles == len(packed) > 0  # the demo model's widths are all whole 32s

@@ -342,6 +342,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
+def amx_for(in_features: int) -> bool:
+    """Whether bf16 GEMMs of this width run on AMX tiles here: a CPU and kernel with AMX, K in whole 32s."""
+    module = load()
+    return module is not None and in_features % 32 == 0 and module.amx_bf16()
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] (rows contiguous) @ the packed weight^T + bias -> [M, out_features], in x's dtype."""
     out = torch.empty((x.shape[0], out_features), dtype=x.dtype)

@@ -119,6 +119,10 @@ def pack_linears(model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(
         others = []
     for parent, name, child in packable + others:
         setattr(parent, name, PackedLinear(child))
+    bf16 = [child.in_features for _, _, child in packable if child.weight.dtype == torch.bfloat16]
+    if bf16:  # an operator should see whether the tiles are in use (a kernel or seccomp filter may refuse them)
+        tiles = sum(cpu_gemm.amx_for(k) for k in bf16)
+        logger.info("bf16 GEMMs: %d of %d layers on AMX tiles, the rest on AVX512-BF16", tiles, len(bf16))
     if packable or others:
         for parent, name, child in linears:
             if child in skip and child.weight.dtype == torch.bfloat16:
