@@ -98,6 +98,17 @@ static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr, kernel_f32<1>, kern
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+// The bf16 epilogue of both kernels: lanes j*16.. of the bias (zero without one), bf16 -> fp32 by shifting
+// the bits into the top half; then fp32 sum + bias rounded once to bf16 (nearest even) and stored.
+static inline __m512 bias16(const uint16_t* bias, int j, __mmask16 m) {
+  if (!bias) return _mm512_setzero_ps();
+  const __m512i b16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + 16 * j));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16));
+}
+static inline void store_bf16(uint16_t* y, __mmask16 m, __m512 sum, __m512 bv) {
+  _mm256_mask_storeu_epi16(y, m, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(sum, bv)));
+}
+
 template <int R>
 static void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy,
                         const uint16_t* bias, int valid) {
@@ -120,15 +131,8 @@ static void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
   for (int j = 0; j < 3; j++) {
     const __mmask16 m = lane_mask(valid - 16 * j);
     if (!m) break;
-    __m512 bv = _mm512_setzero_ps();
-    if (bias) {  // bf16 -> fp32: the bits shifted into the top half
-      const __m512i b16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + 16 * j));
-      bv = _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16));
-    }
-    for (int i = 0; i < R; i++) {  // fp32 sum + bias, rounded once to bf16 (nearest even)
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], bv));
-      _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, m, (__m256i)o);
-    }
+    const __m512 bv = bias16(bias, j, m);
+    for (int i = 0; i < R; i++) store_bf16(y + i * ldy + 16 * j, m, acc[i][j], bv);
   }
 }
 
@@ -192,15 +196,8 @@ static void kernel_amx(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
   for (int j = 0; j < 3; j++) {
     const __mmask16 m = lane_mask(valid - 16 * j);
     if (!m) break;
-    __m512 bv = _mm512_setzero_ps();
-    if (bias) {
-      const __m512i b16 = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, bias + 16 * j));
-      bv = _mm512_castsi512_ps(_mm512_slli_epi32(b16, 16));
-    }
-    for (int i = 0; i < rows; i++) {
-      const __m256bh o = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&c[i][16 * j]), bv));
-      _mm256_mask_storeu_epi16(y + i * ldy + 16 * j, m, (__m256i)o);
-    }
+    const __m512 bv = bias16(bias, j, m);
+    for (int i = 0; i < rows; i++) store_bf16(y + i * ldy + 16 * j, m, _mm512_load_ps(&c[i][16 * j]), bv);
   }
 }
 
@@ -227,7 +224,7 @@ static void gemm_range_amx(const uint16_t* x, int64_t ldx, const uint16_t* w, in
 
 // Whether bf16 GEMMs with this K run on AMX tiles (this build and this process); they must for every row
 // count alike, so the choice depends on K and the machine only.
-static bool amx_for(int64_t K) {
+bool amx_for(int64_t K) {
 #if HAVE_AMX
   return K % 32 == 0 && amx_permitted();
 #else
@@ -235,8 +232,6 @@ static bool amx_for(int64_t K) {
   return false;
 #endif
 }
-
-bool amx_bf16() { return amx_for(32); }
 
 // Tasks are (64-row chunk, panel) pairs, t = chunk * panels + panel; tasks begin..end of them here. Shared
 // by `linear` (one parallel region a call) and cpu_forward's layer stack (one a step); noinline so both
@@ -306,7 +301,7 @@ void linear(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::T
 }
 """
 
-_FUNCTIONS = ["linear", "supports_f32", "supports_bf16", "amx_bf16"]
+_FUNCTIONS = ["linear", "supports_f32", "supports_bf16", "amx_for"]
 
 # Work below which a call runs on the calling thread (multiply-adds): waking a sleeping pool costs more.
 MIN_MACS_PER_THREAD = 1 << 18
@@ -345,7 +340,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 def amx_for(in_features: int) -> bool:
     """Whether bf16 GEMMs of this width run on AMX tiles here: a CPU and kernel with AMX, K in whole 32s."""
     module = load()
-    return module is not None and in_features % 32 == 0 and module.amx_bf16()
+    return module is not None and module.amx_for(in_features)
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
