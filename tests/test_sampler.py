@@ -292,3 +292,49 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_n():
     assert torch.equal(out.top_ids, top.indices)
     assert torch.allclose(out.top_logprobs, top.values)
     assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()
+
+
+EXTREME_FLOATS = [5e-324, 1e-300, 1e-45, 1e-38, 1e-8]
+
+
+@settings(max_examples=200, deadline=None)
+@example(logits=[0.0, 1.0, -1.0], temperature=1.0, top_k=0, top_p=1e-300, min_p=0.0)  # 0 in float32
+@given(
+    logits=st.lists(st.floats(-1e4, 1e4, width=32), min_size=2, max_size=40),
+    temperature=st.sampled_from([0.0, *EXTREME_FLOATS, 1.0, 1e4, 1e300]),
+    top_k=st.sampled_from([0, -1, 1, 2, 10**9, 2**62]),
+    top_p=st.sampled_from([*EXTREME_FLOATS, 0.5, 1.0 - 1e-16, 1.0]),
+    min_p=st.sampled_from([0.0, *EXTREME_FLOATS, 0.5, 1.0]),
+)
+def test_extreme_sampling_values_always_give_a_token(logits, temperature, top_k, top_p, min_p):
+    """Every value validation lets through samples a real token (one bad row used to fail the whole step)."""
+    p = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    row = torch.tensor(logits)
+    others = [seq(SamplingParams(temperature=0.0), seed=1)]
+    out = sample(torch.stack([row, row]), [seq(p, seed=s) for s in range(1)] + others).token_ids.tolist()
+    assert 0 <= out[0] < len(logits)
+    assert out[1] == int(row.argmax())  # the greedy neighbour is unaffected
+    if temperature < 1e-5:  # greedy: logits / 1e-6 would overflow float32
+        assert out[0] == int(row.argmax())
+    elif top_p < 1e-30 or top_k == 1:  # nothing but the best token is allowed
+        scaled = row / torch.tensor(temperature, dtype=torch.float32)  # ties there (1e300 is inf) stay in
+        assert scaled[out[0]] == scaled.max()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    repetition_penalty=st.sampled_from([5e-324, 1e-300, 1e-8, 1.0, 10.0]),
+    presence_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
+    frequency_penalty=st.sampled_from([-2.0, 0.0, 2.0]),
+    temperature=st.sampled_from([0.0, 1e-300, 1.0]),
+)
+def test_extreme_penalties_always_give_a_token(repetition_penalty, presence_penalty, frequency_penalty, temperature):
+    p = SamplingParams(
+        temperature=temperature,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+    )
+    row = torch.linspace(-3, 3, 50)
+    out = sample(row[None], [seq(p, seed=3, output=[49, 48, 48, 47], prompt=[49, 1])]).token_ids.tolist()
+    assert 0 <= out[0] < 50

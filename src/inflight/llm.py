@@ -57,7 +57,7 @@ class LLM:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
                         if out.error is not None:  # e.g. a grammar that cannot compile: the caller's input
-                            errors.append(out.error)
+                            errors.append((out.error_kind, out.error))
                         acc = results[out.request_id]
                         acc.add(out)
                         if out.finished:
@@ -66,7 +66,8 @@ class LLM:
             self._abort(ids)
             raise
         if errors:
-            raise InvalidRequestError(errors[0])
+            kind, message = errors[0]
+            raise InvalidRequestError(message) if kind == "invalid" else RuntimeError(message)
         return [results[rid].result() for rid in ids]
 
     def _abort(self, ids: list[str]) -> None:

@@ -26,8 +26,9 @@ class RequestOutput:
     cumulative_logprob: float = 0.0
     num_output_tokens: int = 0
     # Set when the request failed after it was accepted (e.g. its grammar cannot compile): the message
-    # names the field and the reason, for an INVALID_ARG reply. `finished` is then True.
+    # names the field and the reason. `finished` is then True.
     error: str | None = None
+    error_kind: str = "invalid"  # "invalid": the request's own input; "internal": the engine failed on it
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 

@@ -14,7 +14,7 @@ import torch
 
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.kv_cache import BlockManager
-from inflight.engine.scheduler import Scheduler
+from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inflight.engine.stats import EngineSnapshot, StepStats
 from inflight.engine.structured_output import StructuredOutputManager
@@ -250,18 +250,51 @@ class LLMEngine:
             for s, n in zip(sched.seqs, sched.num_scheduled_tokens)
             if n == 1 and s.num_computed_tokens == s.num_tokens - 1
         )
+        parts, failed = self._run_isolating(sched)
+        if len(failed) > 1 and not parts:  # every sequence failed: the engine's failure, not theirs
+            raise failed[0][1]
+        for part, _, _, _ in parts:
+            for seq, n in zip(part.seqs, part.num_scheduled_tokens):
+                seq.num_computed_tokens += n
+                self.block_manager.cache_full_blocks(seq)
+        for _, _, sampling, sampled in parts:
+            outputs += self._process_samples(sampling, sampled)
+        for seq, error in failed:
+            self.scheduler.finish(seq, FinishReason.ABORT)
+            message = f"the engine failed while running this request: {error!r}"
+            outputs.append(self._finish_output(seq, "", [], error=message, error_kind="internal"))
+        forward_time = sum(result.forward_time_s for _, result, _, _ in parts)
+        self._record_stats(sched, num_running, num_decode, t0, forward_time)
+        return outputs
+
+    def _forward_and_sample(self, sched: SchedulerOutput):
+        """One forward over `sched` and the tokens it samples; no engine state changes until it returns."""
         result = self.runner.execute(sched)
-        for seq, n in zip(sched.seqs, sched.num_scheduled_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.cache_full_blocks(seq)
         sampling = [sched.seqs[i] for i in result.sample_rows]
         sampled = None
         if sampling:
             bitmask = self.structured_outputs.grammar_bitmask(sampling)
             sampled = self.sampler(result.logits, sampling, bitmask, result.sampling_metadata)
-        outputs += self._process_samples(sampling, sampled)
-        self._record_stats(sched, num_running, num_decode, t0, result.forward_time_s)
-        return outputs
+        return result, sampling, sampled
+
+    def _run_isolating(self, sched: SchedulerOutput) -> tuple[list[tuple], list[tuple[Sequence, Exception]]]:
+        """Runs the step; if it fails, runs halves of it until the sequences that fail alone are found, so
+        that one request's failure is its own. Rows do not depend on their neighbours, so the others'
+        tokens are the ones the whole step would have given."""
+        try:
+            return [(sched, *self._forward_and_sample(sched))], []
+        except Exception as error:
+            if len(sched.seqs) == 1:
+                return [], [(sched.seqs[0], error)]
+            logger.exception("a step of %d sequences failed; finding the one(s) it failed on", len(sched.seqs))
+        parts, failed = [], []
+        mid = len(sched.seqs) // 2
+        for lo, hi in ((0, mid), (mid, len(sched.seqs))):
+            half = SchedulerOutput(sched.seqs[lo:hi], sched.num_scheduled_tokens[lo:hi])
+            p, f = self._run_isolating(half)
+            parts += p
+            failed += f
+        return parts, failed
 
     def _process_samples(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
         if not seqs:
@@ -331,7 +364,7 @@ class LLMEngine:
             out.append(TokenLogprob(token_id=int(sampled.token_ids[i]), logprob=lps[i], top=top))
         return out
 
-    def _output(self, seq, text, new_tokens, new_lp, finished, error=None) -> RequestOutput:
+    def _output(self, seq, text, new_tokens, new_lp, finished, error=None, error_kind="invalid") -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -343,16 +376,23 @@ class LLMEngine:
             cumulative_logprob=seq.cumulative_logprob,
             num_output_tokens=len(seq.output_token_ids),
             error=error,
+            error_kind=error_kind,
             num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
     def _finish_output(
-        self, seq: Sequence, text: str, new_tokens: list[int], new_lp=None, error: str | None = None
+        self,
+        seq: Sequence,
+        text: str,
+        new_tokens: list[int],
+        new_lp=None,
+        error: str | None = None,
+        error_kind: str = "invalid",
     ) -> RequestOutput:
         del self._seqs[seq.request_id]
         self._detoks.pop(seq.request_id, None)
         seq.structured = None  # the matcher goes with the request
-        return self._output(seq, text, new_tokens, new_lp, finished=True, error=error)
+        return self._output(seq, text, new_tokens, new_lp, finished=True, error=error, error_kind=error_kind)
 
     def _record_stats(self, sched, num_running: int, num_decode: int, t0: float, forward_time: float) -> None:
         arrivals = [s.arrival_time for s in sched.seqs]

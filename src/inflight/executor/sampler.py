@@ -406,7 +406,8 @@ class Sampler:
         else:
             total = cum[:, -1]
         keep = before < torch.where(top_p < 1.0, top_p * total, torch.full_like(total, math.inf))[:, None]
-        thr_p = vals.gather(1, (keep.sum(-1) - 1)[:, None])[:, 0]
+        # The best token always stays: a top_p that is 0 in float32 (1e-300) would otherwise keep nothing.
+        thr_p = vals.gather(1, (keep.sum(-1) - 1).clamp(min=0)[:, None])[:, 0]
         thr_min = best[:, 0] + torch.log(min_p)  # p >= min_p * p_max, in logit space
         thr = torch.maximum(torch.maximum(thr_k, thr_p), thr_min)
 

@@ -218,8 +218,9 @@ class EngineLoop:
                 continue
             if out.finished:
                 del self._active[out.request_id]
-            if out.error is not None:  # failed after admission (its grammar cannot compile)
-                self._answer(route, ErrorKind.INVALID, out.error)
+            if out.error is not None:  # failed after admission (its grammar cannot compile, or a step on it failed)
+                kind = ErrorKind.INTERNAL if out.error_kind == "internal" else ErrorKind.INVALID
+                self._answer(route, kind, out.error)
                 continue
             self._outbox.put((route, out))
 
