@@ -134,3 +134,24 @@ def test_the_model_repository_api_is_closed_to_clients(server, client):
     with urllib.request.urlopen(f"{server.http_url}/v2/models/llm/ready", timeout=30) as ready:
         assert ready.status == 200
     assert client.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 2}).text
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v2/systemsharedmemory/region/probe/register", {"key": "/probe", "offset": 0, "byte_size": 64}),
+        ("/v2/logging", {"log_verbose_level": 3, "log_error": False}),
+        ("/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"}),
+        ("/v2/models/llm/trace/setting", {"trace_level": ["TIMESTAMPS"]}),
+    ],
+)
+def test_triton_admin_apis_are_closed_to_clients(server, client, path, body):
+    # Shared-memory registration, log settings and trace settings are for the operator, as the repository is.
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"{server.http_url}{path}", data=json.dumps(body).encode(), method="POST")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(request, timeout=30)
+    assert refused.value.code in (401, 403), refused.value.read()
+    assert client.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 2}).text

@@ -36,6 +36,7 @@ MODEL_CHECK_INTERVAL_S = 1.0
 MODEL_CHECKS_BEFORE_EXIT = 3
 MODEL_GONE_EXIT_CODE = 3
 _REPOSITORY_KEY = "inflight-repository-key"
+_ADMIN_APIS = "model-repository,shared-memory,logging,trace"
 
 
 def default_model_repository() -> Path:
@@ -146,9 +147,10 @@ class TritonServer:
             "--model-control-mode=explicit",
             "--load-model=*",
             # ...but explicit mode also opens the model-repository API (load/unload, even model file overrides)
-            # to anyone who reaches the ports: restrict it to a header only this launch knows.
-            f"--http-restricted-api=model-repository:{_REPOSITORY_KEY}={self._repository_secret}",
-            f"--grpc-restricted-protocol=model-repository:{_REPOSITORY_KEY}={self._repository_secret}",
+            # to anyone who reaches the ports: restrict it, and the other operator APIs (shared-memory
+            # registration, log and trace settings), to a header only this launch knows.
+            f"--http-restricted-api={_ADMIN_APIS}:{_REPOSITORY_KEY}={self._repository_secret}",
+            f"--grpc-restricted-protocol={_ADMIN_APIS}:{_REPOSITORY_KEY}={self._repository_secret}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             *self.extra_args,
