@@ -428,3 +428,21 @@ def test_json_rows_never_allow_raw_control_characters(demo_model_dir):
     assert raw_bits[tab], "the grammar itself allows a raw tab inside the bounded string"
     assert not bits[0, tab] and not bits[1, tab]  # masked in both modes: spaces and newlines remain whitespace
     assert bits[2, bell]  # a regex that asks for control characters gets them
+
+
+
+def test_a_grammar_that_allows_no_token_fails_only_its_request(demo_model_dir):
+    # xgrammar compiles these, but no string matches them: the first mask allows no token.
+    engine = _engine(demo_model_dir)
+    r = _run(
+        engine,
+        {
+            "left": ("Hello", SamplingParams(max_tokens=6, structured_outputs={"grammar": 'root ::= root "a"'})),
+            "empty set": ("Hello", SamplingParams(max_tokens=6, structured_outputs={"regex": "[^\\x00-\\U0010FFFF]"})),
+            "good": ("Hello", SamplingParams(temperature=0, max_tokens=4)),
+        },
+    )
+    assert r["left"]["error"].startswith("structured_outputs.grammar matches nothing: "), r["left"]["error"]
+    assert r["empty set"]["error"].startswith("structured_outputs.regex matches nothing: "), r["empty set"]["error"]
+    assert r["good"]["error"] is None and len(r["good"]["tokens"]) == 4
+    assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0

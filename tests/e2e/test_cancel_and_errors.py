@@ -155,3 +155,12 @@ def test_triton_admin_apis_are_closed_to_clients(server, client, path, body):
         urllib.request.urlopen(request, timeout=30)
     assert refused.value.code in (401, 403), refused.value.read()
     assert client.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 2}).text
+
+
+def test_a_grammar_that_matches_nothing_is_invalid_arg(client):
+    # It compiles but allows no token (root never ends): the user's input, not an engine failure.
+    with pytest.raises(InferenceError) as info:
+        client.generate(PROMPTS[0], {"max_tokens": 4, "structured_outputs": {"grammar": 'root ::= root "a"'}})
+    assert info.value.message.startswith("structured_outputs.grammar matches nothing"), info.value.message
+    assert info.value.code in (None, "INVALID_ARGUMENT"), info.value
+    assert client.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 2}).text

@@ -156,6 +156,11 @@ BAD = {
     "top_logprobs too many": ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     "prompt longer than the context": ({"messages": [{"role": "user", "content": "river " * 600}]}, "messages"),
     "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "template kwargs naming messages": ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    "template kwargs naming add_generation_prompt": (
+        {"chat_template_kwargs": {"add_generation_prompt": False}},
+        "chat_template_kwargs",
+    ),
 }
 
 
@@ -264,3 +269,4 @@ def test_response_format_the_grammar_engine_rejects_is_a_400(oai):
         oai.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=4, response_format=bad)
     assert info.value.body["param"] == "response_format"
     assert "nonsense" in info.value.body["message"]
+

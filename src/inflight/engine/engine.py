@@ -314,11 +314,7 @@ class LLMEngine:
         for i, (seq, tok, (text, stop_hit)) in enumerate(zip(seqs, tokens, deltas)):
             seq.output_token_ids.append(tok)
             if seq.structured is not None and not self.structured_outputs.accept(seq, tok):
-                # The bitmask allowed it, so the grammar must take it: a failure here is an engine bug.
-                self.scheduler.finish(seq, FinishReason.ABORT)
-                outputs.append(
-                    self._finish_output(seq, "", [tok], error=f"internal error: the grammar rejected token {tok}")
-                )
+                outputs.append(self._grammar_rejected(seq, tok))
                 continue
             new_lp = None
             if logprobs is not None and logprobs[i] is not None:
@@ -341,6 +337,17 @@ class LLMEngine:
             outputs.append(self._finish_output(seq, text, [tok], new_lp))
         self.counters["generation_tokens"] += len(tokens)
         return outputs
+
+    def _grammar_rejected(self, seq: Sequence, tok: int) -> RequestOutput:
+        """The grammar refused the sampled token: it allowed none (the user's grammar matches nothing), or the
+        bitmask let through a token it should not have (an engine bug)."""
+        self.scheduler.finish(seq, FinishReason.ABORT)
+        if self.structured_outputs.allows_no_token(seq):
+            kind, n = seq.sampling_params.structured_outputs.kind, len(seq.output_token_ids) - 1
+            error = f"structured_outputs.{kind} matches nothing: no token may follow {n} output tokens"
+            return self._finish_output(seq, "", [], error=error)
+        error = f"internal error: the grammar rejected token {tok}"
+        return self._finish_output(seq, "", [tok], error=error, error_kind="internal")
 
     def _is_stop_token(self, seq: Sequence, tok: int) -> bool:
         p = seq.sampling_params

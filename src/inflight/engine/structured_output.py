@@ -245,6 +245,11 @@ class StructuredOutputManager:
         """Advance the sequence's matcher; False if the grammar rejects the token (a masking bug)."""
         return seq.structured.get_matcher().accept_token(token_id)
 
+    def allows_no_token(self, seq: Sequence) -> bool:
+        """True if the sequence's grammar allows no token here: it compiled, but no string matches it."""
+        bitmask, _ = self.grammar_bitmask([seq])
+        return not bool(bitmask[0].any())
+
     @staticmethod
     def is_terminated(seq: Sequence) -> bool:
         return seq.structured is not None and seq.structured.get_matcher().is_terminated()

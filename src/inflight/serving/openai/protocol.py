@@ -170,6 +170,12 @@ class ChatCompletionRequest(_Sampling):
                 raise RequestError(f"{name} are not supported (no tool calling)", name)
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        reserved = sorted({"messages", "add_generation_prompt"} & set(self.chat_template_kwargs or {}))
+        if reserved:
+            raise RequestError(
+                f"chat_template_kwargs may not set {', '.join(reserved)}: it is a field of the request itself",
+                "chat_template_kwargs",
+            )
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -53,7 +53,8 @@ class ModelOutput:
 _REQUEST_ID = re.compile(r"^\[request id: [^\]]*\]\s*")
 _UNKNOWN_KEY = re.compile(r"^sampling_parameters has unknown key '(\w+)'")
 _LEADING_FIELD = re.compile(r"^(\w+)(?:\.\w+)*[=\s]")  # "top_p=2 ...", "structured_outputs.json cannot ..."
-_UNAVAILABLE = ("shutting down", "unavailable", "is not ready", "unknown model", "is not found")
+# Not the request's fault: the model is (re)starting, stopping, or its stub process died.
+_UNAVAILABLE = ("shutting down", "unavailable", "is not ready", "unknown model", "is not found", "is not healthy")
 
 
 def classify_error(message: str, fields: frozenset[str]) -> ModelError | TritonUnavailable:
