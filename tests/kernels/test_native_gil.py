@@ -1,14 +1,10 @@
 """The C++ CPU ops keep the GIL while they compute, on purpose.
 
-csrc/cpu/bindings.cpp binds them through `torch::wrap_pybind_function`, which holds the GIL (its `_no_gil` twin
-releases it). Served, the responder thread (encoding and sending the last step's responses) then runs
-between forwards, not during them. Measured on the 2-core host (`python -m loadtest.serving_overhead`,
-turns of both builds): binding with `_no_gil` lowered served throughput to 0.83-0.85x (demo model: 2297 /
-2365 vs 2762 / 2767 tok/s) and 0.90x (llama50m: 574 vs 637) and raised TTFT p50 1.07-1.19x, with ITL p99
-0.49-0.66x: a responder free to run during the forward takes a core from one of its two threads, which
-then stall each other at every barrier. A change of binding must be measured again; this test says when
-one happens. (Session 6 believed the opposite: its test let torch's own calls, which do release the GIL,
-pass for ours.)
+csrc/cpu/bindings.cpp binds them through `torch::wrap_pybind_function`, which holds the GIL (its `_no_gil`
+twin releases it). Served, the responder thread (encoding and sending the last step's responses) then runs
+between forwards, not during them: releasing the GIL measured slower on the 2-core host (docs/PERFORMANCE.md),
+since a responder free to run during the forward takes a core from one of the step's two threads, which then
+stall each other at every barrier. A change of binding must be measured again; this test says when one happens.
 """
 
 from __future__ import annotations

@@ -4,20 +4,16 @@ Where this CPU has AVX-512 (and AVX512-BF16 for bf16), the weight goes into our 
 (`inflight.ops.cpu`): faster than oneDNN on decode's skinny shapes and batch-invariant by construction.
 Elsewhere the weight is pre-blocked for oneDNN (what inductor's freezing does), as follows.
 
-bf16: `F.linear` re-lays-out the weight for oneDNN on every call, ~100 us per call with one input row;
-packing once at load removes that and is bit-identical to `F.linear` (checked at pack time). Measured
-on the 50M model's shapes: 1.75x faster with 1-4 rows, 1.3x with 32, 1.1x with 256.
-fp32: `F.linear` goes to MKL sgemm, which runs skinny shapes at half of oneDNN's packed rate (quiet
-machine, the 50M model's four layer shapes: 15 vs 28 GFLOP/s at 1 row, 98 vs 173 at 32, 114 vs 191
-at 64, 145 vs 181 at 256). The results differ from MKL's in rounding only (checked at pack time).
+bf16: `F.linear` re-lays-out the weight for oneDNN on every call; packing once at load removes that and is
+bit-identical to `F.linear` (checked at pack time).
+fp32: `F.linear` goes to MKL sgemm, which runs skinny shapes well below oneDNN's packed rate. The results
+differ from MKL's in rounding only (checked at pack time).
 
 Batch invariance: oneDNN runs a single row through another kernel than two or more rows; for some shapes
-(with AVX512-BF16: K > 1024, in bf16 and in fp32) it sums K in another order, so about 1e-4 of the
-outputs round one ulp apart (all M from 2 to 2048 agree bit for bit). A sequence decoding alone would
-then get other logits than in a batch, and greedy outputs would depend on the batch. Each layer is
-therefore probed once at pack time: if a lone row differs from the same row among others, a lone row
-is duplicated into a 2-row call on that layer (in llama50m only `down_proj`, K = 1536). Padding every
-layer instead cost a quiet-machine bf16 batch-1 decode step of llama50m 10.3 -> 14.3 ms.
+(with AVX512-BF16: K > 1024, in bf16 and in fp32) it sums K in another order, so a few outputs round one
+ulp apart. A sequence decoding alone would then get other logits than in a batch, and greedy outputs would
+depend on the batch. Each layer is therefore probed once at pack time: if a lone row differs from the same
+row among others, a lone row is duplicated into a 2-row call on that layer (padding every layer cost more).
 """
 
 from __future__ import annotations
