@@ -13,6 +13,7 @@ install: $(VENV)/.installed
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/clang-format --dry-run --Werror csrc/cpu/*
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 ## Serve the embedded demo model from a real tritonserver (gRPC 8001, HTTP 8000, metrics 8002).
@@ -22,6 +23,7 @@ serve: install
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/clang-format --dry-run --Werror csrc/cpu/*
 
 ## Offline batching benchmark: every policy and the HF peers on one trace; JSON, table and plots in loadtest/results/.
 bench: install

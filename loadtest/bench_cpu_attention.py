@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from inflight import native_build
-from inflight.executor.attention import cpu_ops
+from inflight.ops import cpu as cpu_ops
+from inflight.ops import native as native_build
 
 HQ, HKV, D = 8, 4, 64
 

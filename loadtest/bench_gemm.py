@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from inflight.config import DTYPES
-from inflight.models import cpu_gemm
+from inflight.ops import cpu as cpu_gemm
 from loadtest.models import resolve_model
 
 
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results: dict[str, Any] = {"model": args.model, "threads": torch.get_num_threads(), "shapes": []}
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
-        if not cpu_gemm.supports(dtype, 2):
+        if not cpu_gemm.gemm_supports(dtype, 2):
             print(f"{dtype_name}: this CPU's build has no kernel for it (needs AVX-512 / AVX512-BF16)")
             continue
         print(f"{dtype_name}, {results['threads']} thread(s): time ours / oneDNN (speedup), ours GFLOP/s, invariant")

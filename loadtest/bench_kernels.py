@@ -81,7 +81,7 @@ def make_timer(smoke: bool) -> Callable[[Callable[[], object]], float]:
 
 
 def bench_decode(torch, dtype, device, batch: int, ctx: int, peak: float, timer) -> Row:
-    from inflight_kernels.paged_attention import paged_attention, plan_attention
+    from inflight.ops.triton.paged_attention import paged_attention, plan_attention
 
     elem = torch.empty((), dtype=dtype).element_size()
     blocks_per_seq = -(-ctx // BLOCK_SIZE)
@@ -123,11 +123,10 @@ def bench_decode(torch, dtype, device, batch: int, ctx: int, peak: float, timer)
 
 
 def bench_pointwise(torch, dtype, device, tokens: int, peak: float, timer) -> list[Row]:
-    from inflight_kernels.kv_write import write_kv
-    from inflight_kernels.rms_norm import fused_add_rms_norm
-    from inflight_kernels.rope import rotary_embedding
-
     from inflight.executor.attention import TorchBackend
+    from inflight.ops.triton.kv_write import write_kv
+    from inflight.ops.triton.rms_norm import fused_add_rms_norm
+    from inflight.ops.triton.rope import rotary_embedding
 
     ref = TorchBackend()
     elem = torch.empty((), dtype=dtype).element_size()

@@ -1,6 +1,6 @@
 """Which Triton kernel specializations the engine launches: recorded from interpreter runs.
 
-`record_launches()` swaps each `@triton.jit` kernel of `inflight_kernels` for a thin recorder that
+`record_launches()` swaps each `@triton.jit` kernel of `inflight.ops.triton` for a thin recorder that
 notes how it was launched (Triton's own argument specialization for a CUDA target: pointer dtypes,
 16-divisibility of pointers and integers, constexpr values, num_warps/num_stages) and then runs it
 as before. `capture_engine_launches` drives the offline `LLM` through the Triton backend on a
@@ -24,11 +24,11 @@ from typing import Any
 
 # module -> the jit kernels it launches (helpers called from inside kernels are compiled with them)
 KERNELS = {
-    "inflight_kernels.paged_attention": ["_unified_attention_kernel"],
-    "inflight_kernels.split_k_decode": ["_merge_kernel"],
-    "inflight_kernels.kv_write": ["_kv_write_kernel"],
-    "inflight_kernels.rms_norm": ["_rms_norm_kernel"],
-    "inflight_kernels.rope": ["_rope_kernel"],
+    "inflight.ops.triton.paged_attention": ["_unified_attention_kernel"],
+    "inflight.ops.triton.split_k_decode": ["_merge_kernel"],
+    "inflight.ops.triton.kv_write": ["_kv_write_kernel"],
+    "inflight.ops.triton.rms_norm": ["_rms_norm_kernel"],
+    "inflight.ops.triton.rope": ["_rope_kernel"],
 }
 # Triton's launch defaults (CUDAOptions) when a launch does not name them.
 DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3
@@ -143,7 +143,7 @@ def _attention_rows(bound: dict[str, Any], num_kv_heads: int) -> dict[str, Any]:
 
 @contextmanager
 def record_launches() -> Iterator[LaunchLog]:
-    """Records every launch of the `inflight_kernels` kernels inside the block (interpreter only)."""
+    """Records every launch of the `inflight.ops.triton` kernels inside the block (interpreter only)."""
     import importlib
 
     import triton
@@ -225,8 +225,7 @@ def capture_engine_launches(model_dir: str | Path, dtype: str) -> LaunchLog:
     the engine splits contexts of >= 2 x MIN_TOKENS_PER_SPLIT (1024) tokens; a lowered threshold takes
     the same kernels (split count is a grid dimension) without interpreting a 512-token prefill.
     """
-    import inflight_kernels.split_k_decode as split_k
-
+    import inflight.ops.triton.split_k_decode as split_k
     from inflight import LLM, SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -254,7 +253,7 @@ def capture_engine_launches(model_dir: str | Path, dtype: str) -> LaunchLog:
 def with_merge_widths(specs: list[Launch]) -> list[Launch]:
     """Adds the merge kernel for every split count the engine can pick (SPLITS_PAD = next power of
     two of 2..MAX_SPLITS): which one a step takes depends on batch size and context length."""
-    from inflight_kernels.split_k_decode import MAX_SPLITS
+    from inflight.ops.triton.split_k_decode import MAX_SPLITS
 
     out = list(specs)
     for spec in specs:

@@ -18,7 +18,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/gpu-check}
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
-export PYTHONPATH="$PWD/src:$PWD/kernels:$PWD/client:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="$PWD/src:$PWD/client:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
 STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine decode_step"}
 ENGINE_MODEL=${ENGINE_MODEL:-llama1b}  # ENGINE_ARGS: more bench_batching arguments (default: --skip overhead)

@@ -9,7 +9,7 @@ bit, at every position it computes.
 
 Random-token prompts of 3-40 tokens, 32 greedy tokens each. Chunked prefill, preemption and prefix-cache
 hits changed the greedy tokens of 2, 3 and 5 requests while prompts ran SDPA (whose rows depend on the
-chunk); every token now takes the per-row attention op (executor/attention/cpu_ops.py). The last test
+chunk); every token now takes the per-row attention op (csrc/cpu/paged_attention.cpp). The last test
 covers the GEMM side (models/packed_linear.py).
 """
 

@@ -115,14 +115,14 @@ def test_tied_bf16_head_shares_the_embedding_and_pads_a_lone_row(tmp_path):
 
 
 def test_bf16_gemm_takes_amx_tiles_where_the_cpu_has_them():
-    """On a CPU with AMX our bf16 GEMM runs on its tiles (4-5x the AVX512-BF16 kernel at 64 rows on
-    llama50m's shapes, `python -m loadtest.bench_gemm`); elsewhere, or with a K that is not whole 32-wide
+    """On a CPU with AMX our bf16 GEMM runs on its tiles (faster than the AVX512-BF16 kernel from
+    tens of rows up); elsewhere, or with a K that is not whole 32-wide
     tiles (the 528 case above), on AVX512-BF16."""
     from test_bf16_reference import cpuinfo_flags
 
-    from inflight.models import cpu_gemm
+    from inflight.ops import cpu
 
-    module = cpu_gemm.load()
+    module = cpu.load()
     if module is None or not module.supports_bf16():
         pytest.skip("no AVX512-BF16 build on this machine")
     has_amx = {"amx_tile", "amx_bf16"} <= cpuinfo_flags()
@@ -146,15 +146,15 @@ def test_loading_a_bf16_model_says_where_its_gemms_run(demo_model_dir, caplog):
 
     from test_bf16_reference import cpuinfo_flags
 
-    from inflight.models import cpu_gemm
+    from inflight.ops import cpu
 
-    if not cpu_gemm.supports(torch.bfloat16, 64):
+    if not cpu.gemm_supports(torch.bfloat16, 64):
         pytest.skip("no AVX512-BF16 build on this machine")
     with caplog.at_level(logging.INFO, logger="inflight"):
         model, cfg = load_model(demo_model_dir, torch.bfloat16, "cpu")
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("bf16 GEMMs:")]
     packed = [m for m in model.modules() if isinstance(m, PackedLinear) and m.own_gemm]
-    tiles = sum(cpu_gemm.amx_for(m.in_features) for m in packed)
+    tiles = sum(cpu.amx_for(m.in_features) for m in packed)
     assert lines == [f"bf16 GEMMs: {tiles} of {len(packed)} layers on AMX tiles, the rest on AVX512-BF16"]
     if {"amx_tile", "amx_bf16"} <= cpuinfo_flags() and _kernel_grants_amx():
         assert tiles == len(packed) > 0  # the demo model's widths are all whole 32s

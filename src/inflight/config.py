@@ -98,8 +98,18 @@ class EngineConfig:
                 f"attention_backend='triton' needs a CUDA device (device={self.device!r}); use 'torch' or 'auto' "
                 "on a CPU (the kernels run on a CPU only in tests, under TRITON_INTERPRET=1)"
             )
+        if self.dtype != "auto":
+            self._check_interpreted_dtype(DTYPES[self.dtype])
         if self.kv_cache_memory_bytes is None and self.num_kv_blocks is None and self.device == "cpu":
             self.kv_cache_memory_bytes = _default_kv_bytes()
+
+    def _check_interpreted_dtype(self, dtype: torch.dtype) -> None:
+        # The Triton interpreter computes bf16 through numpy, which has no bf16: the results are garbage.
+        if dtype == torch.bfloat16 and self.resolved_attention_backend() == "triton" and _triton_interpreted():
+            raise ConfigError(
+                "attention_backend='triton' cannot run bfloat16 under TRITON_INTERPRET=1 (the interpreter's bf16 "
+                "arithmetic is wrong): pass dtype='float32' or 'float16', or attention_backend='torch' (the CPU ops)"
+            )
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any]) -> EngineConfig:
@@ -114,6 +124,11 @@ class EngineConfig:
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
         """The dtype the engine runs in, and why (for the startup log)."""
+        dtype, why = self._resolve_dtype(checkpoint_dtype)
+        self._check_interpreted_dtype(dtype)
+        return dtype, why
+
+    def _resolve_dtype(self, checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
         if self.dtype != "auto":
             return DTYPES[self.dtype], "set explicitly"
         if torch.device(self.device).type != "cpu":

@@ -1,4 +1,4 @@
-"""The layer stack in one C++ call (executor/cpu_forward.py) against the per-op path it replaces.
+"""The layer stack in one C++ call (csrc/cpu/layer_stack.cpp) against the per-op path it replaces.
 
 Both run the same row functions and GEMM tasks, so the oracle is exact: the same hidden states and the
 same K/V written, bit for bit, for every family the loader supports (Llama with llama3 RoPE and a tied
@@ -18,8 +18,8 @@ from test_loader import CASES, make_checkpoint
 from inflight.executor.attention import AttentionMetadata
 from inflight.executor.cpu_forward import CpuForward
 from inflight.executor.model_runner import ModelRunner
-from inflight.models import cpu_gemm
 from inflight.models.loader import load_model
+from inflight.ops import cpu
 from loadtest.bench_decode_step import batch_metadata
 
 BLOCK = 8
@@ -43,7 +43,7 @@ def step_inputs(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, Attent
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_bits_as_the_per_op_path(tmp_path, case, dtype):
-    if not cpu_gemm.supports(dtype, 64):
+    if not cpu.gemm_supports(dtype, 64):
         pytest.skip(f"no AVX-512 GEMM for {dtype} on this CPU: the per-op path runs")
     arch, extra = CASES[case]
     runner = runner_for(make_checkpoint(tmp_path, arch, **extra), dtype)
@@ -74,7 +74,7 @@ def test_same_bits_as_the_per_op_path(tmp_path, case, dtype):
 
 
 def test_bad_step_inputs_are_refused_before_any_thread_starts(demo_model_dir):
-    if not cpu_gemm.supports(torch.float32, 64):
+    if not cpu.gemm_supports(torch.float32, 64):
         pytest.skip("no AVX-512 GEMM on this CPU")
     runner = runner_for(demo_model_dir, torch.float32)
     assert isinstance(runner.cpu_forward, CpuForward)

@@ -6,14 +6,15 @@ import pytest
 import torch
 from kernel_batches import batch_kinds, make_batch
 
-from inflight.executor.attention import TorchBackend, cpu_ops
+from inflight.executor.attention import TorchBackend
+from inflight.ops import cpu
 
 # fp32: both sum the same products in fp32, in different orders. bf16: the inputs are identical bf16
 # values and both compute in fp32; only the output's rounding to bf16 (8 bits of mantissa: a relative
 # step of 2**-8 = 0.0039) can differ by one ulp, so one bf16 step is the bound.
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2**-8}
 
-needs_op = pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler to build the ops")
+needs_op = pytest.mark.skipif(not cpu.available(), reason="no C++ compiler to build the ops")
 
 
 @needs_op
@@ -75,9 +76,9 @@ def test_decode_rows_do_not_depend_on_their_batch(dtype):
     """A sequence's attention is bit for bit the same alone and in a batch (the op splits work differently)."""
     batch = make_batch(batch_kinds(16)["decode"], 8, 4, 64, 16, dtype, garbage=None)
     meta = batch.metadata()
-    full = cpu_ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, 0.125)
+    full = cpu.paged_attention(batch.query, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens, 0.125)
     for row in range(batch.query.shape[0]):
-        alone = cpu_ops.paged_attention(
+        alone = cpu.paged_attention(
             batch.query[row : row + 1],
             batch.k_cache,
             batch.v_cache,
@@ -181,7 +182,7 @@ def test_a_prompt_token_is_the_same_bits_as_a_decode_step_at_its_position(dtype)
     for seq in range(len(lens)):
         for j, token in enumerate(range(qsl[seq], qsl[seq + 1])):
             position = lens[seq] - (qsl[seq + 1] - qsl[seq]) + j
-            alone = cpu_ops.paged_attention(
+            alone = cpu.paged_attention(
                 batch.query[token : token + 1],
                 batch.k_cache,
                 batch.v_cache,

@@ -72,8 +72,9 @@ def test_norms_match_torch_backend():
 
 def test_torch_write_kv_never_reads_a_value_back_to_the_host():
     """On CUDA a host read (`bool(t)`, `.item()`, a boolean-mask index) syncs every layer."""
-    from inflight_kernels.kv_write import write_kv_reference
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    from inflight.ops import reference
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -93,5 +94,5 @@ def test_torch_write_kv_never_reads_a_value_back_to_the_host():
     host_reads = [op for op in ops.seen if "_local_scalar_dense" in op or "nonzero" in op or "is_nonzero" in op]
     assert not host_reads, ops.seen
     k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
-    write_kv_reference(key, value, k_ref, v_ref, slots)
+    reference.write_kv(key, value, k_ref, v_ref, slots)
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)

@@ -11,8 +11,8 @@ import json
 import os
 
 import pytest
-from inflight_kernels.paged_attention import DECODE_BLOCK_M, PREFILL_BLOCK_M
 
+from inflight.ops.triton.paged_attention import DECODE_BLOCK_M, PREFILL_BLOCK_M
 from loadtest.kernel_launches import GEOMETRIES, capture_all
 from loadtest.kernel_resources import SHARED_LIMIT, TARGETS, run_in_subprocess
 
@@ -34,18 +34,18 @@ def constexprs(spec) -> dict:
 
 
 def test_recorder_covers_every_launched_kernel():
-    """A kernel added to `inflight_kernels` must be added to the recorder (and so to the compile check)."""
+    """A kernel added to `inflight.ops.triton` must be added to the recorder (and so to the compile check)."""
     import importlib
     import pkgutil
 
-    import inflight_kernels
     from triton.runtime.interpreter import InterpretedFunction
 
+    import inflight.ops.triton
     from loadtest.kernel_launches import KERNELS as RECORDED
 
     found = set()
-    for info in pkgutil.iter_modules(inflight_kernels.__path__):
-        module = importlib.import_module(f"inflight_kernels.{info.name}")
+    for info in pkgutil.iter_modules(inflight.ops.triton.__path__):
+        module = importlib.import_module(f"inflight.ops.triton.{info.name}")
         found |= {
             f"{module.__name__}:{name}"
             for name, obj in vars(module).items()

@@ -53,3 +53,16 @@ def test_greedy_outputs_match_torch_backend(demo_model_dir, block_size, monkeypa
     assert all(len(ids) == 5 for ids in expected) and not query_lens
     assert generate(demo_model_dir, "triton", block_size=block_size) == expected
     assert any((q > 1).any() and (q == 1).any() for q in query_lens), "no step mixed a prefill chunk with decode"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "auto"])
+def test_bf16_under_the_triton_interpreter_is_refused(demo_model_dir, dtype, monkeypatch):
+    """The interpreter's bf16 arithmetic is garbage: the engine says so and what to pass instead."""
+    from inflight.config import ConfigError, cpu_bf16_feature
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if dtype == "auto" and (torch.cuda.is_available() or cpu_bf16_feature() is None):
+        pytest.skip("dtype=auto is not bf16 here")
+    refused = r"bfloat16 under TRITON_INTERPRET=1.*dtype='float32'.*attention_backend='torch'"
+    with pytest.raises(ConfigError, match=refused):
+        LLM(demo_model_dir, dtype=dtype, attention_backend="triton", device="cpu", num_kv_blocks=16)

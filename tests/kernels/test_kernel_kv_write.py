@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inflight_kernels.kv_write import write_kv, write_kv_reference
 from kernel_batches import DEVICE, dev
+
+from inflight.ops import reference
+from inflight.ops.triton.kv_write import write_kv
 
 
 @pytest.mark.parametrize(
@@ -28,7 +30,7 @@ def test_matches_reference(num_heads, head_dim, block_size, dtype):
     k_ref, v_ref = k_cache.clone(), v_cache.clone()
 
     write_kv(key, value, k_cache, v_cache, slots)
-    write_kv_reference(key, value, k_ref, v_ref, slots)
+    reference.write_kv(key, value, k_ref, v_ref, slots)
 
     assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref)
     assert torch.equal(k_cache[0, block_size - 1], key[0]) and torch.equal(v_cache[1, 0], value[1])

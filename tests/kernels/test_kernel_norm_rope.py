@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from inflight_kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_reference, rms_norm, rms_norm_reference
-from inflight_kernels.rope import rotary_embedding, rotary_embedding_reference
 from kernel_batches import dev
+
+from inflight.ops import reference
+from inflight.ops.triton.rms_norm import fused_add_rms_norm, rms_norm
+from inflight.ops.triton.rope import rotary_embedding
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 
@@ -18,7 +20,7 @@ def test_rms_norm(hidden, dtype):
     w = dev(torch.randn(hidden, generator=gen).to(dtype))
     out = rms_norm(x, w, 1e-6)
     assert out.dtype == dtype
-    torch.testing.assert_close(out, rms_norm_reference(x, w, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out, reference.rms_norm(x, w, 1e-6), atol=TOL[dtype], rtol=TOL[dtype])
 
 
 @pytest.mark.parametrize(("hidden", "dtype"), [(256, torch.float32), (80, torch.float16)])
@@ -29,7 +31,7 @@ def test_fused_add_rms_norm(hidden, dtype):
     w = dev(torch.randn(hidden, generator=gen).to(dtype))
     x_before, r_before = x.clone(), residual.clone()
     normed, new_residual = fused_add_rms_norm(x, residual, w, 1e-5)
-    ref_normed, ref_residual = fused_add_rms_norm_reference(x, residual, w, 1e-5)
+    ref_normed, ref_residual = reference.fused_add_rms_norm(x, residual, w, 1e-5)
     assert torch.equal(new_residual, ref_residual)  # same rounding of the sum, bit for bit
     torch.testing.assert_close(normed, ref_normed, atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(x, x_before) and torch.equal(residual, r_before)  # inputs untouched
@@ -42,7 +44,7 @@ def test_rms_norm_per_head_on_a_strided_view():
     q = qkv[:, : 4 * 64].view(6, 4, 64)
     w = dev(torch.randn(64, generator=gen))
     out = rms_norm(q.reshape(-1, 64), w, 1e-6).view(6, 4, 64)
-    torch.testing.assert_close(out, rms_norm_reference(q, w, 1e-6), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, reference.rms_norm(q, w, 1e-6), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(rms_norm(q, w, 1e-6), out)  # any leading shape works
 
 
@@ -62,7 +64,7 @@ def test_rope(hq, hkv, head_dim, dtype):
     k = dev(torch.randn(9, hkv, head_dim, generator=gen).to(dtype))
     positions = dev(torch.tensor([0, 1, 2, 511, 17, 16, 15, 300, 3]))
     cos, sin = _cos_sin(head_dim)
-    ref_q, ref_k = rotary_embedding_reference(q, k, positions, cos, sin)
+    ref_q, ref_k = reference.rope(q, k, positions, cos, sin)
     out_q, out_k = rotary_embedding(q, k, positions, cos, sin)
     torch.testing.assert_close(out_q, ref_q, atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(out_k, ref_k, atol=TOL[dtype], rtol=TOL[dtype])
@@ -76,7 +78,7 @@ def test_rope_position_zero_is_identity_and_views_are_rotated_in_place():
     before = qkv.clone()
     cos, sin = _cos_sin(64)
     positions = dev(torch.tensor([0, 7, 100]))
-    ref_q, ref_k = rotary_embedding_reference(q, k, positions, cos, sin)
+    ref_q, ref_k = reference.rope(q, k, positions, cos, sin)
     out_q, out_k = rotary_embedding(q, k, positions, cos, sin)
     assert out_q.data_ptr() == q.data_ptr()
     torch.testing.assert_close(out_q[0], before[0, :4])

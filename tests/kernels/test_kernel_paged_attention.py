@@ -5,14 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from inflight_kernels.paged_attention import paged_attention, paged_attention_reference, plan_attention
-from inflight_kernels.split_k_decode import (
-    MAX_SPLITS,
-    merge_splits,
-    merge_splits_reference,
-    num_kv_splits,
-)
 from kernel_batches import DEVICE, PagedBatch, batch_kinds, dev, make_batch
+
+from inflight.ops import reference as oracles
+from inflight.ops.triton.paged_attention import paged_attention, plan_attention
+from inflight.ops.triton.split_k_decode import MAX_SPLITS, merge_splits, num_kv_splits
 
 # (num_q_heads, num_kv_heads, head_dim, block_size, dtype): GQA ratios 1/2/4/8 and 6 (not a power of
 # two), head dims 32/64/80/96/128 (80 and 96 are padded to 128), both block sizes, fp32 and fp16.
@@ -51,7 +48,7 @@ def run(batch: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
 
 def reference(batch: PagedBatch) -> torch.Tensor:
     scale = batch.query.shape[-1] ** -0.5
-    return paged_attention_reference(
+    return oracles.paged_attention(
         batch.query,
         batch.k_cache,
         batch.v_cache,
@@ -158,5 +155,5 @@ def test_merge_splits_matches_reference():
     lse[1:, 0, 0] = float("-inf")  # rows that only one slice saw
     lse[0, 2, :] = float("-inf")
     out = merge_splits(part, lse, torch.empty(3, 4, 80, device=DEVICE))
-    torch.testing.assert_close(out, merge_splits_reference(part, lse), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, oracles.merge_splits(part, lse), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[0, 0], part[0, 0, 0])

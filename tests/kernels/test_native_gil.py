@@ -1,14 +1,10 @@
 """The C++ CPU ops keep the GIL while they compute, on purpose.
 
-`load_inline` binds them through `torch::wrap_pybind_function`, which holds the GIL (its `_no_gil` twin
-releases it). Served, the responder thread (encoding and sending the last step's responses) then runs
-between forwards, not during them. Measured on the 2-core host (`python -m loadtest.serving_overhead`,
-turns of both builds): binding with `_no_gil` lowered served throughput to 0.83-0.85x (demo model: 2297 /
-2365 vs 2762 / 2767 tok/s) and 0.90x (llama50m: 574 vs 637) and raised TTFT p50 1.07-1.19x, with ITL p99
-0.49-0.66x: a responder free to run during the forward takes a core from one of its two threads, which
-then stall each other at every barrier. A change of binding must be measured again; this test says when
-one happens. (Session 6 believed the opposite: its test let torch's own calls, which do release the GIL,
-pass for ours.)
+csrc/cpu/bindings.cpp binds them through `torch::wrap_pybind_function`, which holds the GIL (its `_no_gil`
+twin releases it). Served, the responder thread (encoding and sending the last step's responses) then runs
+between forwards, not during them: releasing the GIL measured slower on the 2-core host (docs/PERFORMANCE.md),
+since a responder free to run during the forward takes a core from one of the step's two threads, which then
+stall each other at every barrier. A change of binding must be measured again; this test says when one happens.
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ import time
 import pytest
 import torch
 
-from inflight.executor.attention import cpu_ops
-from inflight.models import cpu_gemm
+from inflight.ops import cpu
 
 
 def _runs_during(call) -> bool:
@@ -55,21 +50,21 @@ def _runs_during(call) -> bool:
     return during
 
 
-@pytest.mark.skipif(not cpu_gemm.supports(torch.float32, 64), reason="our GEMM needs AVX-512 and a compiler")
+@pytest.mark.skipif(not cpu.gemm_supports(torch.float32, 64), reason="our GEMM needs AVX-512 and a compiler")
 def test_our_gemm_keeps_the_gil():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 1024, generator=gen)
-    packed = cpu_gemm.pack(torch.randn(1024, 1024, generator=gen))
-    out = cpu_gemm.linear(x, packed, 1024, None)  # built and warm
-    module = cpu_gemm.load()
+    packed = cpu.pack(torch.randn(1024, 1024, generator=gen))
+    out = cpu.linear(x, packed, 1024, None)  # built and warm
+    module = cpu.load()
     assert not _runs_during(lambda: module.linear(out, x, packed, None, 0)), "the GEMM released the GIL"
     # The probe can see a release: torch's own matmul drops the GIL, and the other thread gets in.
     weight = torch.randn(1024, 1024, generator=gen)
     assert _runs_during(lambda: torch.mm(x, weight, out=out)), "the probe did not see torch.mm release the GIL"
 
 
-@pytest.mark.skipif(cpu_ops.load() is None, reason="no C++ compiler to build the ops")
+@pytest.mark.skipif(not cpu.available(), reason="no C++ compiler to build the ops")
 def test_the_cpu_ops_keep_the_gil():
     x, weight = torch.randn(4096, 1024), torch.ones(1024)
-    out, module = torch.empty_like(x), cpu_ops.load()
+    out, module = torch.empty_like(x), cpu.load()
     assert not _runs_during(lambda: module.rms_norm(out, x, weight, 1e-6)), "rms_norm released the GIL"

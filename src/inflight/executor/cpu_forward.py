@@ -1,17 +1,10 @@
-"""The Llama layer stack as one C++ call a step on CPU: every op of every layer inside one parallel region.
+"""The Llama layer stack as one C++ call a step on CPU (`inflight.ops.cpu.llama_forward`): every op of every
+layer inside one parallel region, the threads woken once a step instead of once an op.
 
-With each op a separate call (`LlamaForCausalLM.forward` through `TorchBackend`'s C++ ops and our GEMM),
-a decode step of llama50m is ~340 Python dispatches and ~110 OpenMP parallel regions. At batch 1 the
-dispatches cost about as much as reading the weights, and with OMP_WAIT_POLICY=PASSIVE every region
-wakes the sleeping threads again (0.03-0.3 ms each on this project's VMs), so a second core often lost
-time (`ModelRunner`'s ThreadChooser ran small steps on one). Here the threads are woken once a step and
-meet at a barrier between ops that spins for ~50 us before it sleeps (llama.cpp's design, with a futex
-for when the cores are shared): splitting a batch-1 GEMM's panels across cores then pays.
-
-The ops are the same machine code as the per-op path: `cpu_ops`' and `cpu_gemm`'s row/task functions
-(noinline) built into this module, so a step gives the same bits either way (tested) and every row still
-sums in a fixed order whatever the batch or the thread count. The per-op path stays for what this does
-not cover (no AVX-512, fp16, a linear our GEMM does not run) and as the oracle.
+The ops are the same machine code as the per-op path (the C++ row and task functions are shared), so a step
+gives the same bits either way (tested) and every row still sums in a fixed order whatever the batch or the
+thread count. The per-op path stays for what this does not cover (no AVX-512, fp16, a linear our GEMM does
+not run) and as the oracle.
 """
 
 from __future__ import annotations
@@ -20,278 +13,11 @@ from typing import Any
 
 import torch
 
-from inflight import native_build
-from inflight.executor.attention import AttentionMetadata, cpu_ops
+from inflight.executor.attention import AttentionMetadata
 from inflight.executor.attention.torch_backend import token_rows
-from inflight.models import cpu_gemm
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import PackedLinear
-
-_STEP_SOURCE = r"""
-#include <omp.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <x86intrin.h>
-#include <atomic>
-#include <climits>
-
-// The step's threads meet here between ops. A waiter spins first (its peer is mid-op, microseconds
-// away) for up to SPIN_TICKS of the time-stamp counter (~50 us), then sleeps on a futex until the last
-// one arrives: with the cores shared (another process busy on both), a waiter that kept spinning or
-// yielding made a batch-64 step 8x slower, 2x slower than sleeping at once as OpenMP's PASSIVE does.
-constexpr uint64_t SPIN_TICKS = 1u << 17;
-
-struct SpinBarrier {
-  std::atomic<int> arrived{0};
-  std::atomic<int> phase{0};
-  std::atomic<int> sleepers{0};
-  void wait(int n) {
-    if (n == 1) return;
-    const int ph = phase.load(std::memory_order_acquire);
-    if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-      arrived.store(0, std::memory_order_relaxed);
-      phase.store(ph + 1, std::memory_order_seq_cst);
-      // seq_cst on both sides: either a sleeper is counted here, or it sees the new phase before sleeping
-      if (sleepers.load(std::memory_order_seq_cst) > 0)
-        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-      return;
-    }
-    const uint64_t start = __rdtsc();
-    while (phase.load(std::memory_order_acquire) == ph) {
-      if (__rdtsc() - start < SPIN_TICKS) {
-        _mm_pause();
-        continue;
-      }
-      sleepers.fetch_add(1, std::memory_order_seq_cst);
-      while (phase.load(std::memory_order_seq_cst) == ph)  // the kernel sleeps only if it is still ph
-        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAIT_PRIVATE, ph, nullptr, nullptr, 0);
-      sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  }
-};
-
-static inline void share(int64_t n, int tid, int nt, int64_t& b, int64_t& e) {
-  b = n * tid / nt;
-  e = n * (tid + 1) / nt;
-}
-
-template <typename G>
-struct Gemm {
-  const G* w;
-  const G* bias;
-  int64_t N, K;
-};
-
-constexpr int WEIGHTS_PER_LAYER = 12;  // in_ln, qkv, qkv_b, q_norm, k_norm, o, o_b, post_ln, gu, gu_b, down, down_b
-
-// S: the ops' element type (float, c10::BFloat16); G: the GEMM's (float, uint16_t), the same bits.
-template <typename S, typename G>
-struct Step {
-  const KernelFn<G>* kernels;
-  int64_t T, H, Hq, Hkv, D, I, L;
-  float eps, qk_eps;
-  const int64_t* pos;
-  const float *cos, *sin;
-  const int64_t* slots;
-  AttentionArgs<S> attn;  // per layer: caches, query and out filled in
-  const S* final_norm;
-  std::vector<const void*> w;  // L * WEIGHTS_PER_LAYER (nullptr where absent)
-  std::vector<S*> k_caches, v_caches;
-  S *h, *x, *qkv, *att, *gu, *act, *dn;
-  std::atomic<int64_t>* attn_next;  // [L]: the next unclaimed attention task of each layer
-  SpinBarrier bar;
-
-  void gemm(const S* in, int64_t M, const void* w_, const void* b_, int64_t N, int64_t K, S* out, int tid, int nt) {
-    int64_t b, e;
-    share(gemm_tasks(M, N), tid, nt, b, e);
-    gemm_range<G>(kernels, reinterpret_cast<const G*>(in), K, static_cast<const G*>(w_), M, N, K,
-                  reinterpret_cast<G*>(out), N, static_cast<const G*>(b_), b, e);
-  }
-
-  void run(int tid, int nt) {
-    const int64_t Nqkv = (Hq + 2 * Hkv) * D;
-    int64_t rb, re;  // this thread's rows
-    share(T, tid, nt, rb, re);
-    S* res = h;  // the embeddings become the residual stream, as in LlamaForCausalLM.forward
-    for (int64_t l = 0; l < L; ++l) {
-      const void* const* lw = w.data() + l * WEIGHTS_PER_LAYER;
-      S* xin;
-      if (l == 0) {
-        rms_norm_rows<S>(x, H, h, H, nullptr, 0, static_cast<const S*>(lw[0]), H, eps, rb, re);
-        xin = x;
-      } else {
-        rms_norm_rows<S>(dn, H, dn, H, res, H, static_cast<const S*>(lw[0]), H, eps, rb, re);
-        xin = dn;
-      }
-      bar.wait(nt);
-      gemm(xin, T, lw[1], lw[2], Nqkv, H, qkv, tid, nt);
-      bar.wait(nt);
-      if (lw[3] != nullptr) {  // Qwen3: RMSNorm over each head of q and k
-        for (int64_t t = rb; t < re; ++t) {
-          S* q = qkv + t * Nqkv;
-          rms_norm_rows<S>(q, D, q, D, nullptr, 0, static_cast<const S*>(lw[3]), D, qk_eps, 0, Hq);
-          rms_norm_rows<S>(q + Hq * D, D, q + Hq * D, D, nullptr, 0, static_cast<const S*>(lw[4]), D, qk_eps, 0, Hkv);
-        }
-      }
-      rope_rows<S>(qkv, Nqkv, Hq, qkv + Hq * D, Nqkv, Hkv, D, pos, cos, sin, rb, re);
-      write_kv_rows(reinterpret_cast<char*>(k_caches[l]), reinterpret_cast<char*>(v_caches[l]),
-                    reinterpret_cast<const char*>(qkv + Hq * D), Nqkv * sizeof(S),
-                    reinterpret_cast<const char*>(qkv + (Hq + Hkv) * D), Nqkv * sizeof(S), slots, Hkv * D * sizeof(S),
-                    rb, re);
-      bar.wait(nt);
-      AttentionArgs<S> a = attn;
-      a.k_cache = k_caches[l];
-      a.v_cache = v_caches[l];
-      // Claimed a few at a time: rows differ in length, so fixed shares would leave a thread waiting.
-      const int64_t tasks = a.B * a.splits, chunk = std::max<int64_t>(1, tasks / (8 * nt));
-      for (int64_t t; (t = attn_next[l].fetch_add(chunk, std::memory_order_relaxed)) < tasks;)
-        attention_tasks_any<S>(a, t, std::min(tasks, t + chunk));
-      bar.wait(nt);
-      gemm(att, T, lw[5], lw[6], H, Hq * D, x, tid, nt);
-      bar.wait(nt);
-      rms_norm_rows<S>(x, H, x, H, res, H, static_cast<const S*>(lw[7]), H, eps, rb, re);
-      bar.wait(nt);
-      gemm(x, T, lw[8], lw[9], 2 * I, H, gu, tid, nt);
-      bar.wait(nt);
-      silu_and_mul_rows<S>(act, I, gu, 2 * I, I, rb, re);
-      bar.wait(nt);
-      gemm(act, T, lw[10], lw[11], H, I, dn, tid, nt);
-      bar.wait(nt);
-    }
-    rms_norm_rows<S>(dn, H, dn, H, res, H, final_norm, H, eps, rb, re);
-  }
-};
-
-static int64_t panel_elems(int64_t N, int64_t K) { return ((N + NR - 1) / NR) * NR * K; }
-
-template <typename S, typename G>
-static void forward_impl(const KernelFn<G>* kernels, at::Tensor out, at::Tensor h, at::Tensor positions,
-                         at::Tensor cos, at::Tensor sin, at::Tensor slot_mapping, at::Tensor block_tables,
-                         at::Tensor seq_lens, const std::vector<at::Tensor>& weights,
-                         const std::vector<at::Tensor>& kv_caches, at::Tensor final_norm, int64_t Hq, int64_t Hkv,
-                         int64_t D, int64_t I, double eps, double qk_eps, double scale) {
-  const int64_t T = h.size(0), H = h.size(1), L = (int64_t)kv_caches.size() / 2;
-  const auto opt = h.options();
-  at::Tensor x = at::empty({T, H}, opt), qkv = at::empty({T, (Hq + 2 * Hkv) * D}, opt);
-  at::Tensor att = at::empty({T, Hq * D}, opt), gu = at::empty({T, 2 * I}, opt), act = at::empty({T, I}, opt);
-  Step<S, G> st;
-  st.kernels = kernels;
-  st.T = T, st.H = H, st.Hq = Hq, st.Hkv = Hkv, st.D = D, st.I = I, st.L = L;
-  st.eps = float(eps), st.qk_eps = float(qk_eps);
-  st.pos = positions.data_ptr<int64_t>();
-  st.cos = cos.data_ptr<float>(), st.sin = sin.data_ptr<float>();
-  st.slots = slot_mapping.data_ptr<int64_t>();
-  st.final_norm = final_norm.data_ptr<S>();
-  for (const at::Tensor& t : weights) st.w.push_back(t.numel() ? t.data_ptr() : nullptr);
-  for (int64_t l = 0; l < L; ++l) {
-    st.k_caches.push_back(kv_caches[2 * l].data_ptr<S>());
-    st.v_caches.push_back(kv_caches[2 * l + 1].data_ptr<S>());
-  }
-  st.h = h.data_ptr<S>(), st.x = x.data_ptr<S>(), st.qkv = qkv.data_ptr<S>(), st.att = att.data_ptr<S>();
-  st.gu = gu.data_ptr<S>(), st.act = act.data_ptr<S>(), st.dn = out.data_ptr<S>();
-  const at::Tensor& kc = kv_caches[0];
-  const int nt = std::max(1, at::get_num_threads());
-  st.attn = AttentionArgs<S>{att.data_ptr<S>(), Hq * D, qkv.data_ptr<S>(), (Hq + 2 * Hkv) * D, nullptr, nullptr,
-                             kc.size(1), Hkv, Hq, D, block_tables.data_ptr<int32_t>(), block_tables.stride(0),
-                             seq_lens.data_ptr<int32_t>(), T, static_cast<float>(scale), attention_splits(Hkv, T, nt)};
-  std::vector<std::atomic<int64_t>> next(L);
-  for (auto& n : next) n.store(0);
-  st.attn_next = next.data();
-  if (nt == 1) {
-    st.run(0, 1);
-    return;
-  }
-#pragma omp parallel num_threads(nt)
-  st.run(omp_get_thread_num(), omp_get_num_threads());
-}
-
-// One forward of the layer stack: out [T, H] <- the final norm's output, from h [T, H] (the embeddings,
-// used as scratch). Everything is checked here, before the parallel region: nothing inside it throws.
-void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
-                   at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
-                   std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
-                   int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale) {
-  TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && out.is_contiguous() && out.sizes() == h.sizes() &&
-              out.scalar_type() == h.scalar_type(), "h, out: contiguous [T, H]");
-  const int64_t T = h.size(0), H = h.size(1), L = (int64_t)kv_caches.size() / 2;
-  const auto dt = h.scalar_type();
-  TORCH_CHECK(L >= 1 && (int64_t)kv_caches.size() == 2 * L && (int64_t)weights.size() == L * WEIGHTS_PER_LAYER,
-              "weights: 12 per layer, kv_caches: 2 per layer");
-  TORCH_CHECK(D % 2 == 0 && D <= 512 && Hq % Hkv == 0, "D even and <= 512, Hq a multiple of Hkv");
-  const int64_t Nqkv = (Hq + 2 * Hkv) * D;
-  // (numel of the packed weight, N) per GEMM slot; norms are [width]; biases [N] or empty.
-  const int64_t gemm_shapes[4][3] = {{1, Nqkv, H}, {5, H, Hq * D}, {8, 2 * I, H}, {10, H, I}};
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* lw = weights.data() + l * WEIGHTS_PER_LAYER;
-    for (int i = 0; i < WEIGHTS_PER_LAYER; ++i)
-      TORCH_CHECK(!lw[i].numel() || (lw[i].is_contiguous() && lw[i].scalar_type() == dt),
-                  "weights: contiguous, h's dtype");
-    for (const auto& g : gemm_shapes) {
-      TORCH_CHECK(lw[g[0]].numel() == panel_elems(g[1], g[2]), "a packed weight does not match the model's shape");
-      TORCH_CHECK(!lw[g[0] + 1].numel() || lw[g[0] + 1].numel() == g[1], "a bias does not match its layer");
-      TORCH_CHECK(dt != at::kBFloat16 || g[2] % 2 == 0, "bf16 GEMMs need an even K");
-    }
-    TORCH_CHECK(lw[0].numel() == H && lw[7].numel() == H, "layer norms: [H]");
-    TORCH_CHECK((lw[3].numel() == D && lw[4].numel() == D) || (!lw[3].numel() && !lw[4].numel()), "q/k norms: [D]");
-    for (int c = 0; c < 2; ++c) {
-      const at::Tensor& kv = kv_caches[2 * l + c];
-      TORCH_CHECK(kv.is_contiguous() && kv.scalar_type() == dt && kv.dim() == 4 && kv.sizes() == kv_caches[0].sizes() &&
-                  kv.size(2) == Hkv && kv.size(3) == D, "kv caches: contiguous [blocks, block_size, Hkv, D]");
-    }
-  }
-  TORCH_CHECK(final_norm.is_contiguous() && final_norm.numel() == H && final_norm.scalar_type() == dt, "norm: [H]");
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == T,
-              "positions: int64 [T]");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.sizes() == cos.sizes() &&
-              sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == D / 2, "cos, sin: float32 [max_pos, D/2]");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == T,
-              "slot_mapping: int64 [T]");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.size(0) == T &&
-              block_tables.stride(1) == 1, "block_tables: int32 [T, W], rows contiguous");
-  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.numel() == T,
-              "seq_lens: int32 [T]");
-  const int64_t blocks = kv_caches[0].size(0), bs = kv_caches[0].size(1);
-  check_positions(positions.data_ptr<int64_t>(), T, cos.size(0));
-  check_slots(slot_mapping.data_ptr<int64_t>(), T, blocks * bs);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(lens[t] > 0 && lens[t] <= block_tables.size(1) * bs, "a context longer than its block table");
-    for (int64_t j = 0; j < (lens[t] + bs - 1) / bs; ++j) {
-      const int32_t blk = tables[t * block_tables.stride(0) + j];
-      TORCH_CHECK(blk >= 0 && blk < blocks, "a block id outside the cache");
-    }
-  }
-  if (T == 0) return;
-  if (dt == at::kFloat) {
-#ifdef __AVX512F__
-    forward_impl<float, float>(F32_KERNELS, out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens,
-                               weights, kv_caches, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
-    return;
-#endif
-  } else if (dt == at::kBFloat16) {
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-    forward_impl<c10::BFloat16, uint16_t>(BF16_KERNELS, out, h, positions, cos, sin, slot_mapping, block_tables,
-                                          seq_lens, weights, kv_caches, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
-    return;
-#endif
-  }
-  TORCH_CHECK(false, "this build has no layer stack for ", dt);
-}
-"""
-
-_FUNCTIONS = ["llama_forward", "supports_f32", "supports_bf16"]
-_module: Any = None
-
-
-def load() -> Any:
-    """The compiled module (`cpu_ops`' and `cpu_gemm`'s sources and the step), or None if it cannot be built."""
-    global _module
-    source = cpu_ops.SOURCE + cpu_gemm.SOURCE + _STEP_SOURCE
-    # -ffast-math as cpu_ops is built: its row functions must compile to the same code in both modules.
-    _module = native_build.build("inflight_cpu_forward", source, _FUNCTIONS, fast_math=True)
-    return _module
+from inflight.ops import cpu
 
 
 class CpuForward:
@@ -329,8 +55,7 @@ class CpuForward:
         cfg = model.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 512 or dtype not in (torch.float32, torch.bfloat16):
             return False
-        module = load()
-        return module is not None and (module.supports_f32() if dtype == torch.float32 else module.supports_bf16())
+        return cpu.gemm_supports(dtype, 2)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = self.model.model.embed_tokens(input_ids)
@@ -339,13 +64,10 @@ class CpuForward:
         if rows is None:
             rows = meta.cache["torch_rows"] = token_rows(meta, h.device)
         cos, sin = self.model.cos_sin
-        hq, hkv, d, inter = self.dims
-        with native_build.record("llama_forward"):
-            _module.llama_forward(
-                out, h, positions, cos, sin, meta.slot_mapping, *rows, self.weights, self.kv_caches,
-                self.model.model.norm.weight, hq, hkv, d, inter, self.eps, self.qk_eps, self.scale,
-            )  # fmt: skip
-        return out
+        return cpu.llama_forward(
+            out, h, positions, cos, sin, meta.slot_mapping, *rows, self.weights, self.kv_caches,
+            self.model.model.norm.weight, self.dims, self.eps, self.qk_eps, self.scale,
+        )  # fmt: skip
 
 
 def _gemm(linear: PackedLinear) -> tuple[torch.Tensor, torch.Tensor]:

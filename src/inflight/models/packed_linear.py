@@ -1,23 +1,19 @@
 """CPU `Linear` layers (fp32 and bf16) with the weight packed once at load.
 
-Where this CPU has AVX-512 (and AVX512-BF16 for bf16), the weight goes into `cpu_gemm`'s panels and our
-own GEMM runs it: faster than oneDNN on decode's skinny shapes and batch-invariant by construction (see
-`cpu_gemm`). Elsewhere the weight is pre-blocked for oneDNN (what inductor's freezing does), as follows.
+Where this CPU has AVX-512 (and AVX512-BF16 for bf16), the weight goes into our own GEMM's panels
+(`inflight.ops.cpu`): faster than oneDNN on decode's skinny shapes and batch-invariant by construction.
+Elsewhere the weight is pre-blocked for oneDNN (what inductor's freezing does), as follows.
 
-bf16: `F.linear` re-lays-out the weight for oneDNN on every call, ~100 us per call with one input row;
-packing once at load removes that and is bit-identical to `F.linear` (checked at pack time). Measured
-on the 50M model's shapes: 1.75x faster with 1-4 rows, 1.3x with 32, 1.1x with 256.
-fp32: `F.linear` goes to MKL sgemm, which runs skinny shapes at half of oneDNN's packed rate (quiet
-machine, the 50M model's four layer shapes: 15 vs 28 GFLOP/s at 1 row, 98 vs 173 at 32, 114 vs 191
-at 64, 145 vs 181 at 256). The results differ from MKL's in rounding only (checked at pack time).
+bf16: `F.linear` re-lays-out the weight for oneDNN on every call; packing once at load removes that and is
+bit-identical to `F.linear` (checked at pack time).
+fp32: `F.linear` goes to MKL sgemm, which runs skinny shapes well below oneDNN's packed rate. The results
+differ from MKL's in rounding only (checked at pack time).
 
 Batch invariance: oneDNN runs a single row through another kernel than two or more rows; for some shapes
-(with AVX512-BF16: K > 1024, in bf16 and in fp32) it sums K in another order, so about 1e-4 of the
-outputs round one ulp apart (all M from 2 to 2048 agree bit for bit). A sequence decoding alone would
-then get other logits than in a batch, and greedy outputs would depend on the batch. Each layer is
-therefore probed once at pack time: if a lone row differs from the same row among others, a lone row
-is duplicated into a 2-row call on that layer (in llama50m only `down_proj`, K = 1536). Padding every
-layer instead cost a quiet-machine bf16 batch-1 decode step of llama50m 10.3 -> 14.3 ms.
+(with AVX512-BF16: K > 1024, in bf16 and in fp32) it sums K in another order, so a few outputs round one
+ulp apart. A sequence decoding alone would then get other logits than in a batch, and greedy outputs would
+depend on the batch. Each layer is therefore probed once at pack time: if a lone row differs from the same
+row among others, a lone row is duplicated into a 2-row call on that layer (padding every layer cost more).
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import logging
 import torch
 from torch import nn
 
-from inflight.models import cpu_gemm
+from inflight.ops import cpu
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +38,9 @@ class PackedLinear(nn.Module):
         self.dtype = linear.weight.dtype
         self.bias = None if linear.bias is None else linear.bias.detach().contiguous()
         # Kept as plain attributes, not parameters: state_dict cannot hold a packed layout.
-        self.own_gemm = cpu_gemm.supports(self.dtype, self.in_features)
+        self.own_gemm = cpu.gemm_supports(self.dtype, self.in_features)
         if self.own_gemm:
-            self.packed = cpu_gemm.pack(linear.weight.detach())
+            self.packed = cpu.pack(linear.weight.detach())
             self.pad_single_row = False
             return
         # An opaque oneDNN tensor: kept as a plain attribute, not a parameter (state_dict cannot hold it).
@@ -59,9 +55,9 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.own_gemm:
             if x.dim() == 2 and x.stride(-1) == 1:  # the model's case: no reshape (a dispatch saved per call)
-                return cpu_gemm.linear(x, self.packed, self.out_features, self.bias)
+                return cpu.linear(x, self.packed, self.out_features, self.bias)
             rows = x.reshape(-1, self.in_features).contiguous()
-            out = cpu_gemm.linear(rows, self.packed, self.out_features, self.bias)
+            out = cpu.linear(rows, self.packed, self.out_features, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if self.pad_single_row and x.dim() == 2 and x.shape[0] == 1:
             return self._linear(x.expand(2, -1).contiguous())[:1]
@@ -112,7 +108,7 @@ def pack_linears(model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(
     packable = [
         entry
         for entry in linears
-        if entry[2] not in skip and cpu_gemm.supports(entry[2].weight.dtype, entry[2].in_features)
+        if entry[2] not in skip and cpu.gemm_supports(entry[2].weight.dtype, entry[2].in_features)
     ]
     others = [entry for entry in linears if entry[2] not in skip and entry not in packable]
     if others and not _supported(others[0][2]):  # oneDNN for what our GEMM cannot run, where it can
@@ -121,7 +117,7 @@ def pack_linears(model: nn.Module, skip: set[nn.Module] | frozenset = frozenset(
         setattr(parent, name, PackedLinear(child))
     bf16 = [child.in_features for _, _, child in packable if child.weight.dtype == torch.bfloat16]
     if bf16:  # an operator should see whether the tiles are in use (a kernel or seccomp filter may refuse them)
-        tiles = sum(cpu_gemm.amx_for(k) for k in bf16)
+        tiles = sum(cpu.amx_for(k) for k in bf16)
         logger.info("bf16 GEMMs: %d of %d layers on AMX tiles, the rest on AVX512-BF16", tiles, len(bf16))
     if packable or others:
         for parent, name, child in linears:

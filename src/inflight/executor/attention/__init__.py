@@ -1,7 +1,7 @@
 """The one backend seam: KV write, paged attention, RMSNorm and RoPE.
 
 `TorchBackend` is the CPU path and the reference; `TritonBackend` runs the Triton-language kernels of
-`inflight_kernels` (the default on CUDA). Both take the same flattened, unpadded batch described by
+`inflight.ops.triton` (the default on CUDA). Both take the same flattened, unpadded batch described by
 `AttentionMetadata`. Modules are named `*_backend` so that none shadows the `torch` or `triton` package.
 """
 

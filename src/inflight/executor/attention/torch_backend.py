@@ -1,7 +1,6 @@
-"""`TorchBackend`: the ops seam on CPU. Natively (the default on CPU) every op is one of `cpu_ops`' C++ ops
-and attention takes every query token as a row of one paged op; the plain-torch path (gather + SDPA,
-torch elementwise ops) is the fallback without a compiler and the oracle the C++ ops and the Triton
-kernels are tested against."""
+"""`TorchBackend`: the ops seam on CPU. Natively (the default on CPU) every op is one of `inflight.ops.cpu`'s
+C++ ops and attention takes every query token as a row of one paged op; the plain-torch path (gather + SDPA,
+`inflight.ops.reference`'s elementwise ops) is the fallback without a compiler."""
 
 from __future__ import annotations
 
@@ -9,13 +8,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inflight.executor.attention import cpu_ops
 from inflight.executor.attention.metadata import AttentionMetadata
-
-
-def rope_cos_sin(positions: torch.Tensor, cos_sin_cache: tuple[torch.Tensor, torch.Tensor]):
-    cos, sin = cos_sin_cache  # each [max_pos, D/2]
-    return cos[positions], sin[positions]
+from inflight.ops import cpu, reference
 
 
 class TorchBackend:
@@ -24,8 +18,8 @@ class TorchBackend:
     name = "torch"
 
     def __init__(self, native: bool = False) -> None:
-        # native: the C++ ops of `cpu_ops` for CPU tensors (when they build); False = the plain-torch reference.
-        self.native = native and cpu_ops.load() is not None
+        # native: the C++ ops for CPU tensors (when they build); False = the plain-torch path.
+        self.native = native and cpu.available()
         self._rope_step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def write_kv(
@@ -37,7 +31,7 @@ class TorchBackend:
         slot_mapping: torch.Tensor,  # [T], every slot >= 0 (the runner asserts it on the host)
     ) -> None:
         if self.native and key.device.type == "cpu":
-            cpu_ops.write_kv(key, value, k_cache, v_cache, slot_mapping)
+            cpu.write_kv(key, value, k_cache, v_cache, slot_mapping)
             return
         # No filtering of negative slots here: a mask test would sync host and device every layer on CUDA.
         flat_k = k_cache.view(-1, *k_cache.shape[2:])
@@ -60,7 +54,7 @@ class TorchBackend:
             rows = meta.cache.get("torch_rows")
             if rows is None:
                 rows = meta.cache["torch_rows"] = token_rows(meta, query.device)
-            return cpu_ops.paged_attention(query, k_cache, v_cache, *rows, scale)
+            return cpu.paged_attention(query, k_cache, v_cache, *rows, scale)
         plan = meta.cache.get("torch_plan")
         if plan is None:
             plan = meta.cache["torch_plan"] = _plan(meta, k_cache.shape[1], query.device)
@@ -78,13 +72,8 @@ class TorchBackend:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if self.native and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1:
-            return cpu_ops.rms_norm(x, weight, eps)
-        if x.dtype == torch.float32:  # one fused op, bit-identical to the HF steps below in fp32
-            return F.rms_norm(x, (x.shape[-1],), weight, eps)
-        # HF's order in half precision: normalise in fp32, round to the activations' dtype, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * xf.to(x.dtype)
+            return cpu.rms_norm(x, weight, eps)
+        return reference.rms_norm(x, weight, eps)
 
     def fused_add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
@@ -92,7 +81,7 @@ class TorchBackend:
         """Returns (rms_norm(x + residual), x + residual) — the new residual stream. The native op works in
         place on x and residual (the caller's own activations, never read again)."""
         if self.native and x.device.type == "cpu" and x.dim() == 2 and x.stride(-1) == 1 and residual.stride(-1) == 1:
-            return cpu_ops.fused_add_rms_norm(x, residual, weight, eps)
+            return cpu.fused_add_rms_norm(x, residual, weight, eps)
         residual = x + residual
         return self.rms_norm(residual, weight, eps), residual
 
@@ -109,29 +98,18 @@ class TorchBackend:
         passes the same `positions` tensor, so the per-token tables are built once per step, not per layer.
         """
         if self.native and query.device.type == "cpu":  # in place, like the Triton kernel
-            return cpu_ops.rope(query, key, positions, *cos_sin_cache)
+            return cpu.rope(query, key, positions, *cos_sin_cache)
         step = self._rope_step
         if step is None or step[0] is not positions or step[1].dtype != query.dtype:
-            cos, sin = rope_cos_sin(positions, cos_sin_cache)
-            cos = torch.cat((cos, cos), dim=-1)[:, None, :].to(query.dtype)  # [T, 1, D]
-            sin = torch.cat((-sin, sin), dim=-1)[:, None, :].to(query.dtype)  # sign of rotate_half folded in
-            step = self._rope_step = (positions, cos, sin)
+            step = self._rope_step = (positions, *reference.rope_tables(positions, *cos_sin_cache, query.dtype))
         _, cos, sin = step
-
-        def rotate(x: torch.Tensor) -> torch.Tensor:
-            half = x.shape[-1] // 2
-            swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-            return torch.addcmul(x * cos, swapped, sin)
-
-        return rotate(query), rotate(key)
+        return reference.apply_rope(query, cos, sin), reference.apply_rope(key, cos, sin)
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[T, 2I] (gate, up halves of the fused projection) -> silu(gate) * up, [T, I]."""
         if self.native and x.device.type == "cpu" and x.stride(-1) == 1:
-            return cpu_ops.silu_and_mul(x)
-        gate, up = x.split(x.shape[-1] // 2, dim=-1)
-        # Out of place: measured faster than an in-place mul_ into the strided half.
-        return F.silu(gate) * up
+            return cpu.silu_and_mul(x)
+        return reference.silu_and_mul(x)
 
 
 def token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The attention backend that runs the Triton-language kernels of `inflight_kernels`.
+"""The attention backend that runs the Triton-language kernels of `inflight.ops.triton`.
 
 Same methods and semantics as `inflight.executor.attention.TorchBackend`. On CUDA the kernels are compiled;
 on a CPU they run only under `TRITON_INTERPRET=1` (slow, for tests). The per-step attention plan
@@ -8,13 +8,13 @@ on a CPU they run only under `TRITON_INTERPRET=1` (slow, for tests). The per-ste
 from __future__ import annotations
 
 import torch
-from inflight_kernels.kv_write import write_kv
-from inflight_kernels.paged_attention import AttentionPlan, paged_attention, plan_attention
-from inflight_kernels.rms_norm import fused_add_rms_norm, rms_norm
-from inflight_kernels.rope import rotary_embedding
-from inflight_kernels.split_k_decode import device_sm_count, num_kv_splits
 
 from inflight.executor.attention.metadata import AttentionMetadata
+from inflight.ops.triton.kv_write import write_kv
+from inflight.ops.triton.paged_attention import AttentionPlan, paged_attention, plan_attention
+from inflight.ops.triton.rms_norm import fused_add_rms_norm, rms_norm
+from inflight.ops.triton.rope import rotary_embedding
+from inflight.ops.triton.split_k_decode import device_sm_count, num_kv_splits
 
 
 class TritonBackend:

@@ -1,6 +1,6 @@
 """RMSNorm over the last dim, optionally fused with the residual add that precedes it.
 
-Numerics follow `inflight.executor.attention.TorchBackend` exactly: the sum x + residual is rounded to the
+Numerics follow `inflight.ops.reference.rms_norm` exactly: the sum x + residual is rounded to the
 activation dtype (it becomes the next residual), normalized in fp32, rounded back to the activation
 dtype and only then multiplied by the weight. One program normalizes one row.
 """
@@ -92,16 +92,3 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (rms_norm(x + residual), x + residual); the inputs are left untouched."""
     return _launch(x, residual, weight, eps)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def fused_add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = x + residual
-    return rms_norm_reference(residual, weight, eps), residual

@@ -1,48 +1,20 @@
-"""The CPU linear layer as our own GEMM: weights packed once in panels, every row summed alike.
+// Our CPU GEMM: weights packed once in panels, each output summing its K products in order k = 0..K-1 into
+// one fp32 accumulator however many rows share the call: a row's result is the same bits at any batch size.
+// Layout: panels of NR outputs, zero-padded past N. fp32: [P][K][48]; bf16: [P][K/2][48][2], the pairs
+// vdpbf16ps (and AMX's tiles) multiply. The micro-kernel holds 8 rows x 48 outputs in 24 registers.
+#include "gemm.h"
 
-Why not oneDNN (what `F.linear` and inductor's freezing call): with one input row oneDNN takes another
-kernel that, for some shapes, sums K in another order, so a sequence decoding alone got other logits
-than in a batch; and on the skinny shapes of decode (1-32 rows) it ran the weights at half this CPU's
-bandwidth. Here each output sums its K products in order k = 0..K-1 into one fp32 accumulator, however
-many rows share the call and however they are tiled: a row's result is the same bits at any batch size,
-by construction. Measured against oneDNN's pre-packed weights on llama50m's shapes (quiet 2-core Zen 4,
-two PASSIVE threads, `python -m loadtest.bench_gemm`): 1.1-1.6x faster at 1-8 rows, 0.8-1.5x at 64 (one
-shape slower), 0.92-1.06x at 256, in fp32 and bf16.
-
-Layout: panels of 48 outputs (three 16-lane vectors), zero-padded past N. fp32: [P][K][48]; bf16:
-[P][K/2][48][2], the pairs `vdpbf16ps` multiplies. The micro-kernel holds 8 rows x 48 outputs in 24
-registers and streams the panel once per 8 rows; 64-row chunks x panels are the parallel tasks.
-Needs AVX-512 (and AVX512-BF16 for bf16); `supports()` says what this CPU's build can do.
-
-bf16 on a CPU with AMX (Sapphire Rapids and later): the same tasks on the tile unit, 16 rows x one panel a
-call, the panel read in place as the B tiles (the k-pair layout is AMX's). On an AMX host the AVX512-BF16
-kernel ran at ~200 GFLOP/s, below our fp32 (~290), so bf16 did not pay there; on the tiles 64 rows run 3-5x
-faster and 256 rows at oneDNN's rate (`python -m loadtest.bench_gemm`). The tiles are taken for every row
-count of a K that is whole 32-wide tiles (the choice depends on K and the machine only): still one fixed
-K order per row, so batch invariance holds as before.
-"""
-
-from __future__ import annotations
-
-from typing import Any
-
-import torch
-
-from inflight import native_build
-
-PANEL = 48
-
-SOURCE = r"""
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
-constexpr int NR = 48;     // outputs per panel: three 16-lane vectors
-constexpr int MR = 8;      // rows per micro-kernel call: 8 x 3 accumulators of the 32 vector registers
-constexpr int64_t MC = 64; // rows per task: a chunk of x stays in L2 while the panels stream past it
+#include "ops.h"
+
+constexpr int MR = 8;  // rows per micro-kernel call: 8 x 3 accumulators of the 32 vector registers
 
 bool supports_f32() {
 #ifdef __AVX512F__
@@ -69,8 +41,8 @@ static inline __mmask16 lane_mask(int valid) {
 }
 
 template <int R>
-static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
-                       const float* bias, int valid) {
+static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* bias,
+                       int valid) {
   __m512 acc[R][3];
   for (int i = 0; i < R; i++)
     for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
@@ -92,9 +64,9 @@ static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, f
   }
 }
 
-static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr, kernel_f32<1>, kernel_f32<2>, kernel_f32<3>,
-                                                    kernel_f32<4>, kernel_f32<5>, kernel_f32<6>, kernel_f32<7>,
-                                                    kernel_f32<8>};
+static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr,       kernel_f32<1>, kernel_f32<2>,
+                                                    kernel_f32<3>, kernel_f32<4>, kernel_f32<5>,
+                                                    kernel_f32<6>, kernel_f32<7>, kernel_f32<8>};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -136,9 +108,9 @@ static void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
   }
 }
 
-static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {nullptr, kernel_bf16<1>, kernel_bf16<2>, kernel_bf16<3>,
-                                                        kernel_bf16<4>, kernel_bf16<5>, kernel_bf16<6>,
-                                                        kernel_bf16<7>, kernel_bf16<8>};
+static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {nullptr,        kernel_bf16<1>, kernel_bf16<2>,
+                                                        kernel_bf16<3>, kernel_bf16<4>, kernel_bf16<5>,
+                                                        kernel_bf16<6>, kernel_bf16<7>, kernel_bf16<8>};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -233,44 +205,56 @@ bool amx_for(int64_t K) {
 #endif
 }
 
-// Tasks are (64-row chunk, panel) pairs, t = chunk * panels + panel; tasks begin..end of them here. Shared
-// by `linear` (one parallel region a call) and cpu_forward's layer stack (one a step); noinline so both
-// run the same machine code.
-static inline int64_t gemm_tasks(int64_t M, int64_t N) { return ((M + MC - 1) / MC) * ((N + NR - 1) / NR); }
+#ifdef __AVX512F__
+static const KernelFn<float>* kernels_for(const float*) { return F32_KERNELS; }
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+static const KernelFn<uint16_t>* kernels_for(const uint16_t*) { return BF16_KERNELS; }
+#endif
 
+// Shared by `linear` (one parallel region a call) and the layer stack (one a step); noinline so both run the
+// same machine code.
 template <typename T>
-__attribute__((noinline)) void gemm_range(const KernelFn<T>* kernels, const T* x, int64_t ldx, const T* w,
-                                          int64_t M, int64_t N, int64_t K, T* y, int64_t ldy, const T* bias,
-                                          int64_t begin, int64_t end) {
+__attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K, T* y,
+                                          int64_t ldy, const T* bias, int64_t begin, int64_t end) {
 #if HAVE_AMX
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (amx_for(K)) return gemm_range_amx(x, ldx, w, M, N, K, y, ldy, bias, begin, end);
   }
 #endif
+  const KernelFn<T>* kernels = kernels_for(x);
   const int64_t P = (N + NR - 1) / NR, panel_elems = K * NR;
   for (int64_t t = begin; t < end; t++) {
     const int64_t c = t / P, p = t % P, m1 = std::min(M, (c + 1) * MC);
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
     for (int64_t m = c * MC; m < m1; m += MR) {
       const int rows = (int)std::min<int64_t>(MR, m1 - m);
-      kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy,
-                    bias ? bias + p * NR : nullptr, valid);
+      kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy, bias ? bias + p * NR : nullptr,
+                    valid);
     }
   }
 }
 
+#ifdef __AVX512F__
+template void gemm_range<float>(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
+                                const float*, int64_t, int64_t);
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+template void gemm_range<uint16_t>(const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t, int64_t, uint16_t*,
+                                   int64_t, const uint16_t*, int64_t, int64_t);
+#endif
+
 template <typename T>
-static void run(const KernelFn<T>* kernels, const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K,
-                T* y, int64_t ldy, const T* bias, int64_t min_macs_per_thread) {
+static void run(const T* x, int64_t ldx, const T* w, int64_t M, int64_t N, int64_t K, T* y, int64_t ldy, const T* bias,
+                int64_t min_macs_per_thread) {
   // A sleeping OpenMP pool costs tens of microseconds to wake: small calls stay on the calling thread.
   const int64_t task_macs = std::min(M, MC) * NR * K;
   const int64_t grain = std::max<int64_t>(1, min_macs_per_thread / std::max<int64_t>(1, task_macs));
-  at::parallel_for(0, gemm_tasks(M, N), grain, [&](int64_t begin, int64_t end) {
-    gemm_range<T>(kernels, x, ldx, w, M, N, K, y, ldy, bias, begin, end);
-  });
+  at::parallel_for(0, gemm_tasks(M, N), grain,
+                   [&](int64_t begin, int64_t end) { gemm_range<T>(x, ldx, w, M, N, K, y, ldy, bias, begin, end); });
 }
 
-void linear(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::Tensor> bias,
+void linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
             int64_t min_macs_per_thread) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1,
               "x [M, K] and out [M, N] with contiguous rows");
@@ -283,69 +267,18 @@ void linear(at::Tensor out, at::Tensor x, at::Tensor packed, c10::optional<at::T
   if (M == 0) return;
   if (x.scalar_type() == at::kFloat) {
 #ifdef __AVX512F__
-    run<float>(F32_KERNELS, x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M, N, K,
-               out.data_ptr<float>(), out.stride(0), bias.has_value() ? bias->data_ptr<float>() : nullptr,
-               min_macs_per_thread);
+    run<float>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M, N, K, out.data_ptr<float>(),
+               out.stride(0), bias.has_value() ? bias->data_ptr<float>() : nullptr, min_macs_per_thread);
     return;
 #endif
   } else if (x.scalar_type() == at::kBFloat16) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     TORCH_CHECK(K % 2 == 0, "bf16 needs an even K");
-    run<uint16_t>(BF16_KERNELS, (const uint16_t*)x.data_ptr(), x.stride(0), (const uint16_t*)packed.data_ptr(), M,
-                  N, K, (uint16_t*)out.data_ptr(), out.stride(0),
+    run<uint16_t>((const uint16_t*)x.data_ptr(), x.stride(0), (const uint16_t*)packed.data_ptr(), M, N, K,
+                  (uint16_t*)out.data_ptr(), out.stride(0),
                   bias.has_value() ? (const uint16_t*)bias->data_ptr() : nullptr, min_macs_per_thread);
     return;
 #endif
   }
   TORCH_CHECK(false, "this build has no kernel for ", x.scalar_type());
 }
-"""
-
-_FUNCTIONS = ["linear", "supports_f32", "supports_bf16", "amx_for"]
-
-# Work below which a call runs on the calling thread (multiply-adds): waking a sleeping pool costs more.
-MIN_MACS_PER_THREAD = 1 << 18
-
-
-_module: Any = None
-
-
-def load() -> Any:
-    """The compiled module, or None if this machine cannot build it (logged once)."""
-    global _module
-    _module = native_build.build("inflight_cpu_gemm", SOURCE, _FUNCTIONS)
-    return _module
-
-
-def supports(dtype: torch.dtype, in_features: int) -> bool:
-    module = load()
-    if module is None:
-        return False
-    if dtype == torch.float32:
-        return module.supports_f32()
-    return dtype == torch.bfloat16 and in_features % 2 == 0 and module.supports_bf16()
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """[N, K] -> the panel layout (module docstring); a new tensor, the weight is not kept."""
-    n, k = weight.shape
-    panels = -(-n // PANEL)
-    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
-    padded[:n] = weight
-    if weight.dtype == torch.float32:
-        return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
-    return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-
-
-def amx_for(in_features: int) -> bool:
-    """Whether bf16 GEMMs of this width run on AMX tiles here: a CPU and kernel with AMX, K in whole 32s."""
-    module = load()
-    return module is not None and module.amx_for(in_features)
-
-
-def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, K] (rows contiguous) @ the packed weight^T + bias -> [M, out_features], in x's dtype."""
-    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
-    with native_build.record("linear"):  # the module is loaded once packing asked supports(): no lock per call
-        (_module or load()).linear(out, x, packed, bias, MIN_MACS_PER_THREAD)
-    return out

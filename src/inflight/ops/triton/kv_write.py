@@ -94,17 +94,3 @@ def write_kv(
         HEADS_PAD=triton.next_power_of_2(num_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
     )
-
-
-def write_kv_reference(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    block_size = k_cache.shape[1]
-    for tok, slot in enumerate(slot_mapping.tolist()):
-        if slot >= 0:
-            k_cache[slot // block_size, slot % block_size] = key[tok]
-            v_cache[slot // block_size, slot % block_size] = value[tok]

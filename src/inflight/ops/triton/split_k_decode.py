@@ -112,9 +112,3 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor, out: torc
         SPLITS_PAD=triton.next_power_of_2(num_splits),
     )
     return out
-
-
-def merge_splits_reference(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
-    weight = torch.softmax(partial_lse * torch.log(torch.tensor(2.0)), dim=0)  # base-2 lse -> natural
-    weight = torch.nan_to_num(weight)
-    return (partial_out * weight[..., None]).sum(0)

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from inflight_kernels.split_k_decode import device_sm_count, merge_splits, num_kv_splits
+from inflight.ops.triton.split_k_decode import device_sm_count, merge_splits, num_kv_splits
 
 LOG2E = 1.4426950408889634
 # Rows (token x head-in-group) per program: a decode tile needs only the group but tl.dot needs
@@ -294,34 +294,4 @@ def paged_attention(
         )
     if split:
         merge_splits(dst, lse, out)
-    return out
-
-
-def paged_attention_reference(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """Per sequence: gather its context through the block table, causal softmax in fp32."""
-    out = torch.empty_like(query)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = query.shape[1] // num_kv_heads
-    qsl = query_start_loc.tolist()
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        start, end = qsl[b], qsl[b + 1]
-        if end == start:
-            continue
-        pos = torch.arange(seq_len, device=query.device)
-        slots = block_tables[b].long()[pos // block_size]
-        k = k_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = v_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)
-        q = query[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-        scores.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out

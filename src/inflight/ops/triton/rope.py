@@ -99,15 +99,3 @@ def rotary_embedding(
         K_HEADS_PAD=triton.next_power_of_2(key.shape[1]),
     )
     return query, key
-
-
-def rotary_embedding_reference(
-    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos[positions][:, None, :], sin[positions][:, None, :]
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-
-    return rotate(query), rotate(key)

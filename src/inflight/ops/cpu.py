@@ -1,0 +1,147 @@
+"""Typed Python wrappers over the C++ CPU ops (`csrc/cpu`, built by `inflight.ops.native`).
+
+Each op does its math in fp32 registers and rounds where HF rounds, row by row: a row's result never depends
+on which other rows share its batch. The torch oracles are in `inflight.ops.reference`. Call `available()`
+(or `gemm_supports`) first: the build takes a while, once per machine and source.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from inflight.ops import native
+from inflight.ops.native import record
+
+PANEL = 48  # outputs per packed panel (gemm.h's NR)
+# Work below which a GEMM runs on the calling thread (multiply-adds): waking a sleeping pool costs more.
+MIN_MACS_PER_THREAD = 1 << 18
+
+
+_module = None  # the built module, once loaded: the wrappers below skip the loader's lock
+
+
+def load():
+    """The compiled module, or None where it cannot be built."""
+    global _module
+    _module = native.load()
+    return _module
+
+
+def available() -> bool:
+    """Whether the C++ ops built on this machine."""
+    return load() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    out = torch.empty_like(x)
+    with record("rms_norm"):
+        (_module or load()).rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: residual += x, x = rms_norm(residual); returns (x, residual)."""
+    with record("fused_add_rms_norm"):
+        (_module or load()).fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def rope(
+    query: torch.Tensor, key: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates query [T, Hq, D] and key [T, Hkv, D] in place (rows may be strided views) and returns them."""
+    with record("rope"):
+        (_module or load()).rope(query, key, positions, cos, sin)
+    return query, key
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    with record("write_kv"):
+        (_module or load()).write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, up) -> silu(gate) * up, [T, I]."""
+    out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype, device=x.device)
+    with record("silu_and_mul"):
+        (_module or load()).silu_and_mul(out, x)
+    return out
+
+
+def paged_attention(
+    query: torch.Tensor,  # [R, Hq, D]: R query rows (tokens); rows may be strided
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, >= blocks used] int32: each row's sequence's table
+    seq_lens: torch.Tensor,  # [R] int32: each row's context length (its position + 1)
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    with record("paged_attention"):
+        (_module or load()).paged_attention(out, query, k_cache, v_cache, block_tables, seq_lens, scale)
+    return out
+
+
+def gemm_supports(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether our GEMM runs this dtype and width here (AVX-512; AVX512-BF16 and an even K for bf16)."""
+    module = load()
+    if module is None:
+        return False
+    if dtype == torch.float32:
+        return module.supports_f32()
+    return dtype == torch.bfloat16 and in_features % 2 == 0 and module.supports_bf16()
+
+
+def amx_for(in_features: int) -> bool:
+    """Whether bf16 GEMMs of this width run on AMX tiles here: a CPU and kernel with AMX, K in whole 32s."""
+    module = load()
+    return module is not None and module.amx_for(in_features)
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> panels of PANEL outputs, zero-padded past N: fp32 [P][K][48], bf16 [P][K/2][48][2]."""
+    n, k = weight.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(panels * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    if weight.dtype == torch.float32:
+        return padded.view(panels, PANEL, k).permute(0, 2, 1).contiguous()
+    return padded.view(panels, PANEL, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ the packed weight^T + bias -> [M, out_features], in x's dtype."""
+    out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    with record("linear"):
+        (_module or load()).linear(out, x, packed, bias, MIN_MACS_PER_THREAD)
+    return out
+
+
+def llama_forward(
+    out: torch.Tensor,  # [T, H]: the final norm's output
+    h: torch.Tensor,  # [T, H]: the embeddings, used as scratch
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_tables: torch.Tensor,  # [T, W] int32: each token's sequence's table
+    seq_lens: torch.Tensor,  # [T] int32: each token's context length
+    weights: list[torch.Tensor],  # 12 a layer, packed GEMM weights (layer_stack.cpp's WEIGHTS_PER_LAYER)
+    kv_caches: list[torch.Tensor],  # k, v per layer
+    final_norm: torch.Tensor,
+    dims: tuple[int, int, int, int],  # Hq, Hkv, D, intermediate size
+    eps: float,
+    qk_eps: float,
+    scale: float,
+) -> torch.Tensor:
+    """The Llama layer stack as one call a step; returns `out`."""
+    with record("llama_forward"):
+        (_module or load()).llama_forward(
+            out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches, final_norm,
+            *dims, eps, qk_eps, scale,
+        )  # fmt: skip
+    return out

@@ -1,0 +1,19 @@
+// The one place every CPU op is registered. torch::wrap_pybind_function turns c10 errors into Python ones
+// and keeps the GIL during the call, on purpose: tests/kernels/test_native_gil.py says why and checks it.
+#include <torch/extension.h>
+
+#include "ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", torch::wrap_pybind_function(rms_norm), "rms_norm");
+  m.def("fused_add_rms_norm", torch::wrap_pybind_function(fused_add_rms_norm), "fused_add_rms_norm");
+  m.def("rope", torch::wrap_pybind_function(rope), "rope");
+  m.def("write_kv", torch::wrap_pybind_function(write_kv), "write_kv");
+  m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
+  m.def("paged_attention", torch::wrap_pybind_function(paged_attention), "paged_attention");
+  m.def("linear", torch::wrap_pybind_function(linear), "linear");
+  m.def("supports_f32", torch::wrap_pybind_function(supports_f32), "supports_f32");
+  m.def("supports_bf16", torch::wrap_pybind_function(supports_bf16), "supports_bf16");
+  m.def("amx_for", torch::wrap_pybind_function(amx_for), "amx_for");
+  m.def("llama_forward", torch::wrap_pybind_function(llama_forward), "llama_forward");
+}

@@ -1,0 +1,48 @@
+// What every CPU op shares: fp32 <-> bf16/fp16 conversions, the dtype dispatch, the parallel grain, checks.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// Conversions the compiler can vectorize: bf16 is the top half of an fp32; back with round-to-nearest-even.
+// NaN is tested on the bits, since -ffast-math may fold a float x != x test away.
+static inline float to_f(float x) { return x; }
+static inline float to_f(c10::BFloat16 x) {
+  uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+static inline float to_f(c10::Half x) { return static_cast<float>(x); }
+static inline float to_f(double x) { return static_cast<float>(x); }  // dispatched, never used by the engine
+template <typename T>
+static inline T from_f(float f) {
+  return static_cast<T>(f);
+}
+template <>
+inline c10::BFloat16 from_f<c10::BFloat16>(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  c10::BFloat16 r;
+  r.x = (u & 0x7fffffffu) > 0x7f800000u ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return r;
+}
+// The value HF would hold after rounding to the activations' dtype (identity in fp32).
+template <typename T>
+static inline float round_to(float f) {
+  return to_f(from_f<T>(f));
+}
+
+#define DISPATCH(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
+
+// Rows per parallel chunk: a small op runs on the calling thread, since waking the pool costs more than its work.
+static inline int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
+
+static inline void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, ": [rows, width] with contiguous rows");
+}

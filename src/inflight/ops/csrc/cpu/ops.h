@@ -1,0 +1,71 @@
+// Every op bindings.cpp registers, and the ops' bodies over a range of rows that layer_stack.cpp shares.
+// The bodies are noinline and compiled once: the per-op path and the layer stack run the same machine code,
+// so a row's bits cannot depend on which of them ran it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+// ---- ops (one file each) ----
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+void rope(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::Tensor sin);
+void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
+void silu_and_mul(at::Tensor out, at::Tensor x);
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor seq_lens, double scale);
+void linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
+            int64_t min_macs_per_thread);
+bool supports_f32();
+bool supports_bf16();
+bool amx_for(int64_t K);
+void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
+                   at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
+                   std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale);
+
+// ---- bodies over rows begin..end; inputs already checked (nothing here throws) ----
+template <typename T>
+void rms_norm_rows(T* out, int64_t os, T* x, int64_t xs, T* res, int64_t rs, const T* w, int64_t H, float eps,
+                   int64_t begin, int64_t end);
+template <typename T>
+void rope_rows(T* q, int64_t qs, int64_t Hq, T* k, int64_t ks, int64_t Hkv, int64_t D, const int64_t* pos,
+               const float* cp, const float* sp, int64_t begin, int64_t end);
+void write_kv_rows(char* kc, char* vc, const char* kp, int64_t ks, const char* vp, int64_t vs, const int64_t* slots,
+                   int64_t row_bytes, int64_t begin, int64_t end);
+template <typename T>
+void silu_and_mul_rows(T* op, int64_t os, const T* xp, int64_t xs, int64_t I, int64_t begin, int64_t end);
+
+void check_positions(const int64_t* pos, int64_t n, int64_t max_pos);
+void check_slots(const int64_t* slots, int64_t n, int64_t num_slots);
+
+// Paged attention: each query row has its own block table row and context length.
+template <typename scalar_t>
+struct AttentionArgs {
+  scalar_t* out;
+  int64_t o_stride;
+  const scalar_t* query;
+  int64_t q_stride;
+  const scalar_t* k_cache;
+  const scalar_t* v_cache;
+  int64_t bs, Hkv, Hq, D;
+  const int32_t* tables;
+  int64_t table_stride;
+  const int32_t* lens;
+  int64_t B;
+  float scale;
+  int64_t splits;  // tasks per row: KV-head ranges; a task's bits do not depend on how heads are split
+};
+
+// Enough tasks for every thread when the batch is small (batch 1: heads split across threads).
+static inline int64_t attention_splits(int64_t Hkv, int64_t B, int64_t threads) {
+  return std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+}
+
+// Tasks begin..end of B * splits (row, KV-head range).
+template <typename scalar_t>
+void attention_tasks_any(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end);

@@ -1,0 +1,265 @@
+// Paged attention by rows: each query row has its own block table row and context length, K/V read in
+// place through the block table, one pass with an online softmax per block.
+#include <type_traits>
+#include <vector>
+
+#include "common.h"
+#include "ops.h"
+
+// AVX-512 pieces (head sizes that are multiples of 16, fp32 and bf16).
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the top half
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+// Sixteen vectors -> one vector of their sixteen horizontal sums, in a fixed tree: lane i is the sum of
+// v[i]'s lanes.
+static inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int j = 0; j < 8; ++j)
+    t[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+  for (int j = 0; j < 4; ++j) {
+    const __m512d a = _mm512_castps_pd(t[2 * j]), b = _mm512_castps_pd(t[2 * j + 1]);
+    u[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+#define HAVE_SIMD_ATTENTION 1
+#else
+#define HAVE_SIMD_ATTENTION 0
+#endif
+
+// A task is (sequence, range of KV heads) and streams each block's rows for those heads in address order
+// (one task per head read a quarter of each cache line). The GQA group rides along: each K/V row loaded
+// serves every query head that shares it. D is a compile-time constant for the common head sizes, so the
+// dot products and the V update unroll into a few full-width FMAs. Nothing here throws.
+template <typename scalar_t, int64_t D_FIXED>
+__attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end) {
+  // The SIMD path: AVX-512, fp32 or bf16, a head size of whole 16-lane vectors.
+  constexpr bool SIMD = HAVE_SIMD_ATTENTION && D_FIXED > 0 && D_FIXED % 16 == 0 &&
+                        (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+  const int64_t D = D_FIXED > 0 ? D_FIXED : a.D;
+  const int64_t bs = a.bs, Hkv = a.Hkv;
+  const int64_t G = a.Hq / Hkv;
+  const scalar_t* __restrict__ q_ptr = a.query;
+  const scalar_t* __restrict__ k_ptr = a.k_cache;
+  const scalar_t* __restrict__ v_ptr = a.v_cache;
+  scalar_t* __restrict__ o_ptr = a.out;
+  const int32_t* tables = a.tables;
+  const int32_t* lens = a.lens;
+  const int64_t q_stride = a.q_stride, o_stride = a.o_stride, table_stride = a.table_stride;
+  const int64_t row_stride = Hkv * D;  // between consecutive tokens inside a block
+  const float fscale = a.scale;
+  const int64_t splits = a.splits;
+  const int64_t per = (Hkv + splits - 1) / splits;
+  {
+    std::vector<float> qv(per * G * D), accv(per * G * D), sv(per * G * bs), mv(per * G), lv(per * G), rowv(D);
+    float* __restrict__ q = qv.data();
+    float* __restrict__ acc = accv.data();
+    float* __restrict__ sc = sv.data();
+    float* __restrict__ m = mv.data();
+    float* __restrict__ l = lv.data();
+    float row_fixed[D_FIXED > 0 ? D_FIXED : 1];
+    float* __restrict__ row = D_FIXED > 0 ? row_fixed : rowv.data();  // one head's K or V row, widened
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / splits, h0 = (task % splits) * per;
+      const int64_t nh = std::min(Hkv, h0 + per) - h0;
+      if (nh <= 0) continue;
+      const int64_t L = lens[b];
+      const int32_t* table = tables + b * table_stride;
+      for (int64_t x = 0; x < nh * G; ++x) {  // x = local head * G + group member
+        for (int64_t d = 0; d < D; ++d) {
+          q[x * D + d] = to_f(q_ptr[b * q_stride + (h0 * G + x) * D + d]) * fscale;
+          acc[x * D + d] = 0.f;
+        }
+        m[x] = -INFINITY;
+        l[x] = 0.f;
+      }
+      // One pass: a block's scores, then the running max/sum rescaled (online softmax), then its V rows.
+      for (int64_t t0 = 0; t0 < L; t0 += bs) {
+        const int64_t base = (int64_t(table[t0 / bs]) * bs * Hkv + h0) * D;
+        const scalar_t* __restrict__ kb = k_ptr + base;
+        const scalar_t* __restrict__ vb = v_ptr + base;
+        const int64_t n = std::min(bs, L - t0);
+        if (t0 + bs < L) {  // the next block sits elsewhere in the cache: ask for its rows (our heads) now
+          const int64_t next = (int64_t(table[t0 / bs + 1]) * bs * Hkv + h0) * D;
+          const int64_t bytes = nh * D * int64_t(sizeof(scalar_t));
+          for (int64_t i = 0; i < bs; ++i)
+            for (int64_t o = 0; o < bytes; o += 64) {
+              __builtin_prefetch((const char*)(k_ptr + next + i * row_stride) + o);
+              __builtin_prefetch((const char*)(v_ptr + next + i * row_stride) + o);
+            }
+        }
+        if constexpr (SIMD) {
+#if HAVE_SIMD_ATTENTION
+          // Sixteen tokens at a time: each score's D products summed chunk by chunk into one vector,
+          // then the sixteen vectors reduced together (sum16): no reduction per score.
+          constexpr int C = D_FIXED / 16;
+          for (int64_t hh = 0; hh < nh; ++hh) {
+            for (int64_t i0 = 0; i0 < n; i0 += 16) {
+              const int64_t nc = std::min<int64_t>(16, n - i0);
+              const scalar_t* __restrict__ k0 = kb + i0 * row_stride + hh * D;
+              for (int64_t g = 0; g < G; ++g) {
+                const int64_t x = hh * G + g;
+                __m512 qc[C], v[16];
+                for (int c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + x * D + 16 * c);
+                for (int64_t i = 0; i < 16; ++i) {
+                  if (i >= nc) {
+                    v[i] = _mm512_setzero_ps();
+                    continue;
+                  }
+                  const scalar_t* __restrict__ k = k0 + i * row_stride;
+                  v[i] = _mm512_mul_ps(qc[0], load16(k));
+                  for (int c = 1; c < C; ++c) v[i] = _mm512_fmadd_ps(qc[c], load16(k + 16 * c), v[i]);
+                }
+                _mm512_mask_storeu_ps(sc + x * bs + i0, (__mmask16)((1u << nc) - 1u), sum16(v));
+              }
+            }
+          }
+#endif
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t hh = 0; hh < nh; ++hh) {
+              const scalar_t* __restrict__ k = kb + i * row_stride + hh * D;
+              for (int64_t d = 0; d < D; ++d) row[d] = to_f(k[d]);
+              for (int64_t g = 0; g < G; ++g) {
+                const float* __restrict__ qx = q + (hh * G + g) * D;
+                float s = 0.f;
+                for (int64_t d = 0; d < D; ++d) s += qx[d] * row[d];
+                sc[(hh * G + g) * bs + i] = s;
+              }
+            }
+          }
+        }
+        for (int64_t x = 0; x < nh * G; ++x) {
+          float* __restrict__ sx = sc + x * bs;
+          float bm = m[x];
+          for (int64_t i = 0; i < n; ++i) bm = std::max(bm, sx[i]);
+          const float corr = std::exp(m[x] - bm);  // exp(-inf) = 0 on the first block
+          float sum = 0.f;
+          for (int64_t i = 0; i < n; ++i) {
+            sx[i] = std::exp(sx[i] - bm);
+            sum += sx[i];
+          }
+          l[x] = l[x] * corr + sum;
+          m[x] = bm;
+          float* __restrict__ ax = acc + x * D;
+          for (int64_t d = 0; d < D; ++d) ax[d] *= corr;
+        }
+        if constexpr (SIMD) {
+#if HAVE_SIMD_ATTENTION
+          // Each head's accumulator stays in registers across the block's V rows. Two heads of a GQA group
+          // at a time share each V row's loads and widening, and give 2C independent FMA chains instead of
+          // C (one head's C chains, each a dependent FMA per token, waited on the FMA's latency). Every
+          // accumulator still adds its tokens in order: the same bits as one head at a time.
+          constexpr int C = D_FIXED / 16;
+          for (int64_t hh = 0; hh < nh; ++hh) {
+            int64_t g = 0;
+            for (; g + 1 < G; g += 2) {
+              const int64_t x0 = hh * G + g, x1 = x0 + 1;
+              __m512 a0[C], a1[C];
+              for (int c = 0; c < C; ++c) {
+                a0[c] = _mm512_loadu_ps(acc + x0 * D + 16 * c);
+                a1[c] = _mm512_loadu_ps(acc + x1 * D + 16 * c);
+              }
+              for (int64_t i = 0; i < n; ++i) {
+                const __m512 p0 = _mm512_set1_ps(sc[x0 * bs + i]), p1 = _mm512_set1_ps(sc[x1 * bs + i]);
+                const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
+                for (int c = 0; c < C; ++c) {
+                  const __m512 vc = load16(v + 16 * c);
+                  a0[c] = _mm512_fmadd_ps(p0, vc, a0[c]);
+                  a1[c] = _mm512_fmadd_ps(p1, vc, a1[c]);
+                }
+              }
+              for (int c = 0; c < C; ++c) {
+                _mm512_storeu_ps(acc + x0 * D + 16 * c, a0[c]);
+                _mm512_storeu_ps(acc + x1 * D + 16 * c, a1[c]);
+              }
+            }
+            for (; g < G; ++g) {
+              const int64_t x = hh * G + g;
+              __m512 a[C];
+              for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + x * D + 16 * c);
+              for (int64_t i = 0; i < n; ++i) {
+                const __m512 p = _mm512_set1_ps(sc[x * bs + i]);
+                const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
+                for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), a[c]);
+              }
+              for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + x * D + 16 * c, a[c]);
+            }
+          }
+#endif
+        } else {
+          for (int64_t i = 0; i < n; ++i) {
+            for (int64_t hh = 0; hh < nh; ++hh) {
+              const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
+              for (int64_t d = 0; d < D; ++d) row[d] = to_f(v[d]);
+              for (int64_t g = 0; g < G; ++g) {
+                const float p = sc[(hh * G + g) * bs + i];
+                float* __restrict__ ax = acc + (hh * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) ax[d] += p * row[d];
+              }
+            }
+          }
+        }
+      }
+      for (int64_t x = 0; x < nh * G; ++x) {
+        const float inv = 1.f / l[x];
+        for (int64_t d = 0; d < D; ++d)
+          o_ptr[b * o_stride + (h0 * G + x) * D + d] = from_f<scalar_t>(acc[x * D + d] * inv);
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void attention_tasks_any(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end) {
+  if (a.D == 64)
+    attention_tasks<scalar_t, 64>(a, begin, end);
+  else if (a.D == 128)
+    attention_tasks<scalar_t, 128>(a, begin, end);
+  else if (a.D == 32)
+    attention_tasks<scalar_t, 32>(a, begin, end);
+  else
+    attention_tasks<scalar_t, 0>(a, begin, end);
+}
+
+template void attention_tasks_any<float>(const AttentionArgs<float>&, int64_t, int64_t);
+template void attention_tasks_any<c10::BFloat16>(const AttentionArgs<c10::BFloat16>&, int64_t, int64_t);
+
+void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
+                     at::Tensor seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query: [B, Hq, D], heads contiguous");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2), "out: like query");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(), "one dtype");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "Hq must be a multiple of Hkv");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
+              "block_tables: int32, rows contiguous");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
+              "seq_lens: int32 [B]");
+  DISPATCH(query.scalar_type(), "paged_attention", [&] {
+    const int64_t B = query.size(0), Hkv = k_cache.size(2);
+    const AttentionArgs<scalar_t> a{out.data_ptr<scalar_t>(),
+                                    out.stride(0),
+                                    query.data_ptr<scalar_t>(),
+                                    query.stride(0),
+                                    k_cache.data_ptr<scalar_t>(),
+                                    v_cache.data_ptr<scalar_t>(),
+                                    k_cache.size(1),
+                                    Hkv,
+                                    query.size(1),
+                                    query.size(2),
+                                    block_tables.data_ptr<int32_t>(),
+                                    block_tables.stride(0),
+                                    seq_lens.data_ptr<int32_t>(),
+                                    B,
+                                    static_cast<float>(scale),
+                                    attention_splits(Hkv, B, at::get_num_threads())};
+    at::parallel_for(0, B * a.splits, 1, [&](int64_t begin, int64_t end) { attention_tasks_any(a, begin, end); });
+  });
+}

@@ -1,0 +1,81 @@
+"""The one build of the C++ CPU ops (`csrc/cpu/*.cpp`), with one flag set, through `torch.utils.cpp_extension.load`.
+
+torch caches a build under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) by name. The sources
+are compiled with `-march=native`, so a cache shared across machines (a home directory on NFS, an image built
+elsewhere) must not hand one CPU's build to another: the name carries a hash of the sources, the flags and
+the CPU's instruction-set flags.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc" / "cpu"
+# -ffast-math for the ops' elementwise loops; the GEMM is intrinsics and gives the same bits with or without it.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+LDFLAGS = ["-fopenmp", "-lm"]  # -lm brings libmvec: the vectorized expf
+
+
+def build_name(csrc: Path = CSRC) -> str:
+    key = hashlib.sha1(platform.machine().encode())
+    for path in sorted(csrc.iterdir()):
+        key.update(path.name.encode() + path.read_bytes())
+    key.update(" ".join(CFLAGS + LDFLAGS).encode())
+    try:
+        with open("/proc/cpuinfo") as f:
+            key.update(next((line for line in f if line.startswith("flags")), "").encode())
+    except OSError:
+        pass
+    return f"inflight_cpu_{key.hexdigest()[:10]}"
+
+
+def build(csrc: Path = CSRC) -> Any:
+    """The module built from `csrc`'s .cpp files (another tree's, for an A/B); raises if it cannot be built."""
+    from torch.utils.cpp_extension import load as load_extension
+
+    return load_extension(
+        name=build_name(csrc),
+        sources=[str(p) for p in sorted(csrc.glob("*.cpp"))],
+        extra_cflags=CFLAGS,
+        extra_ldflags=LDFLAGS,
+        extra_include_paths=[str(csrc)],
+    )
+
+
+_lock = threading.Lock()
+
+
+def load() -> Any:
+    """This package's module, or None if this machine cannot build it (logged once; callers keep plain torch)."""
+    with _lock:
+        return _load()
+
+
+@functools.cache
+def _load() -> Any:
+    try:
+        return build()
+    except Exception as exc:  # no compiler / headers
+        logger.warning("C++ CPU ops could not be built (%s); using the plain-torch path", exc)
+        return None
+
+
+_NOT_RECORDED = contextlib.nullcontext()
+
+
+def record(name: str) -> contextlib.AbstractContextManager:
+    """`inflight::name` in an op profile; nothing outside one (a record_function is not free on a small step)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(f"inflight::{name}")
+    return _NOT_RECORDED

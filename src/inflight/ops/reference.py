@@ -1,0 +1,112 @@
+"""The torch oracles, one per op: the C++ CPU ops and the Triton kernels are tested against these, and
+`TorchBackend`'s plain-torch path runs them where no kernel does. Numerics follow HF: a value is rounded to
+the activations' dtype wherever HF rounds it."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:  # one fused op, bit-identical to the HF steps below in fp32
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    # HF's order in half precision: normalise in fp32, round to the activations' dtype, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the sum, rounded to the activations' dtype, is the new residual."""
+    residual = x + residual
+    return rms_norm(residual, weight, eps), residual
+
+
+def rope_tables(
+    positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token [T, 1, D] cos and signed sin (rotate_half's sign folded in), cast to `dtype` as HF casts them."""
+    cos, sin = cos[positions], sin[positions]  # each [T, D/2]
+    return (
+        torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
+        torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype),
+    )
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF rotate-half: x * cos + rotate_half(x) * sin, with `rope_tables`' tables."""
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
+
+
+def rope(
+    query: torch.Tensor,  # [T, Hq, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    positions: torch.Tensor,  # [T]
+    cos: torch.Tensor,  # [max_pos, D/2] float32
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated (query, key), out of place."""
+    c, s = rope_tables(positions, cos, sin, query.dtype)
+    return apply_rope(query, c, s), apply_rope(key, c, s)
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]; a negative slot is skipped
+) -> None:
+    block_size = k_cache.shape[1]
+    for tok, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = key[tok]
+            v_cache[slot // block_size, slot % block_size] = value[tok]
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate, up halves of the fused projection) -> silu(gate) * up, [T, I]."""
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def paged_attention(
+    query: torch.Tensor,  # [N, Hq, D]: sequence b's queries are the last q_len of its seq_lens[b] positions
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [B + 1]
+    seq_lens: torch.Tensor,  # [B]
+    block_tables: torch.Tensor,  # [B, max_blocks]
+    scale: float,
+) -> torch.Tensor:
+    """Per sequence: gather its context through the block table, causal softmax in fp32."""
+    out = torch.empty_like(query)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    qsl = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = qsl[b], qsl[b + 1]
+        if end == start:
+            continue
+        pos = torch.arange(seq_len, device=query.device)
+        slots = block_tables[b].long()[pos // block_size]
+        k = k_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)
+        q = query[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        scores.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
+    return out
+
+
+def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.Tensor:
+    """Split-K decode's partial results [S, ...] merged by their base-2 log-sum-exps."""
+    weight = torch.softmax(partial_lse * torch.log(torch.tensor(2.0)), dim=0)  # base-2 lse -> natural
+    weight = torch.nan_to_num(weight)
+    return (partial_out * weight[..., None]).sum(0)

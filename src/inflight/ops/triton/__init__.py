@@ -1,0 +1,2 @@
+"""The Triton-language GPU kernels (run on a CPU only under TRITON_INTERPRET=1, in fp32/fp16); their torch
+oracles are in `inflight.ops.reference`."""
