@@ -1,7 +1,7 @@
 """The CPU paged-attention op alone (`cpu_ops.paged_attention`), decode rows, with the cache cold.
 
-    python -m loadtest.bench_cpu_attention                      # GB/s by dtype, block size and block order
-    python -m loadtest.bench_cpu_attention --against HEAD~1     # this tree's op vs a git revision's, in turns
+    python -m benchmarks.kernels.bench_cpu_attention                      # GB/s by dtype, block size and block order
+    python -m benchmarks.kernels.bench_cpu_attention --against HEAD~1     # this tree's op vs a git revision's, in turns
 
 A decode step reads every layer's K/V cache once, so one layer's cache timed over and over (20-40 MB at 64
 rows x 300 tokens) partly stays in the CPU's caches and flatters changes to the arithmetic. Each sample here
@@ -57,7 +57,7 @@ def time_ops(mods: dict[str, Any], dtype, rows, ctx, block_size, layers, repeats
 
 def module_at(rev: str) -> Any:
     """cpu_ops' module as of a git revision, built under its own name."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     text = subprocess.run(
         ["git", "show", f"{rev}:src/inflight/executor/attention/cpu_ops.py"],
         cwd=root,

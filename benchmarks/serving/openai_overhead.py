@@ -1,8 +1,8 @@
 """What the OpenAI port costs: the same requests through `/v1/completions` (SSE) and straight over Triton's
 gRPC stream, against one tritonserver, in one run.
 
-    python -m loadtest.openai_overhead                      # demo model, ~3 minutes on 2 cores
-    python -m loadtest.openai_overhead --requests 128 --concurrency 32 --rounds 6
+    python -m benchmarks.serving.openai_overhead                      # demo model, ~3 minutes on 2 cores
+    python -m benchmarks.serving.openai_overhead --requests 128 --concurrency 32 --rounds 6
 
 Under load: A/B rounds (gRPC, then OpenAI, `--rounds` times) of `--requests` at `--concurrency`.
 One at a time: request pairs (the same prompt through both, the order alternating), so that both sides of
@@ -31,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SERVER_ARGS = {"max_num_seqs": 16, "max_num_batched_tokens": 1024, "num_kv_blocks": 16 * 48, "max_model_len": 768}
 _WORDS = "the model runs fast while a city of light sings under the mountain and the river keeps the queue".split()  # noqa: SIM905
 
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-tokens", type=int, default=48)
     p.add_argument("--sequential-pairs", type=int, default=60, help="request pairs one at a time")
     p.add_argument("--rounds", type=int, default=4, help="loaded A/B rounds (gRPC then OpenAI, each round)")
-    p.add_argument("--out", type=Path, default=Path("loadtest/results/openai_overhead.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/openai_overhead.json"))
     return p.parse_args(argv)
 
 

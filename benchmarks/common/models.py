@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
 from inflight.demo_model import DEMO_CONFIG, SPECIAL_TOKENS, build_weights, write_demo_model
 
-CACHE_DIR = Path(__file__).resolve().parent.parent / ".cache" / "models"
+CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache" / "models"
 
 # ~51M parameters: 16 layers x 3.15M + embeddings; GQA 8 query / 4 KV heads of 64, like the demo model's shape.
 LLAMA_50M = {

@@ -9,7 +9,7 @@
 3. TTFT of one JSON-schema request with a cold grammar cache vs a warm one (and unconstrained).
 4. The bitmask application alone on a [32, 128256] batch (a Llama-3-sized vocabulary), CPU.
 
-    python -m loadtest.bench_structured --model demo --out loadtest/results/structured.json
+    python -m benchmarks.engine.bench_structured --model demo --out benchmarks/results/structured.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from inflight.config import EngineConfig  # noqa: E402
 from inflight.engine.engine import LLMEngine  # noqa: E402
 from inflight.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
-from loadtest.models import resolve_model  # noqa: E402
+from benchmarks.common.models import resolve_model  # noqa: E402
 
 PROMPTS = ["Hello world", "The model runs", "A quiet river flows", "Tell me a story about the ocean"]
 

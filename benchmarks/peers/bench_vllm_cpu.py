@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.metrics import RunResult, summarize
-from loadtest.trace import OUTPUT_DISTRIBUTIONS, TraceRequest, TraceSpec, digest, make_trace
+from benchmarks.common.metrics import RunResult, summarize
+from benchmarks.common.trace import OUTPUT_DISTRIBUTIONS, TraceRequest, TraceSpec, digest, make_trace
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--out", type=Path, default=Path("loadtest/results/vllm_cpu.json"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_cpu.json"))
     return p.parse_args(argv)
 
 

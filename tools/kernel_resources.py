@@ -1,14 +1,14 @@
 """Compile every kernel specialization the engine launches for sm_80 and sm_90, without a GPU.
 
-The launches come from interpreter runs of the engine (`loadtest.kernel_launches`); each one is
+The launches come from interpreter runs of the engine (`tools.kernel_launches`); each one is
 compiled with `triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))` (ptxas and
 cuobjdump ship in the triton wheel) and checked against the target's shared memory per block.
 Prints, per kernel and target, registers per thread, stack bytes per thread (where ptxas puts
 spilled registers: these kernels call no functions, so any stack is spills) and shared memory.
 
-    python -m loadtest.kernel_resources                    # capture (interpreter) + compile + table
-    python -m loadtest.kernel_resources --json out.json    # also write the rows
-    python -m loadtest.kernel_resources --specs specs.json # compile launches captured elsewhere
+    python -m tools.kernel_resources                    # capture (interpreter) + compile + table
+    python -m tools.kernel_resources --json out.json    # also write the rows
+    python -m tools.kernel_resources --specs specs.json # compile launches captured elsewhere
 
 Compiles are cached by Triton (TRITON_CACHE_DIR, default ~/.triton/cache), keyed by the kernel's
 source hash, so an unchanged kernel is compiled once per machine. Exit status 1 on any failure.
@@ -131,7 +131,7 @@ def run_in_subprocess(args: list[str], interpret: bool) -> subprocess.CompletedP
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [env.get("PYTHONPATH")])])
     return subprocess.run(
-        [sys.executable, "-m", "loadtest.kernel_resources", *args], env=env, capture_output=True, text=True
+        [sys.executable, "-m", "tools.kernel_resources", *args], env=env, capture_output=True, text=True
     )
 
 
@@ -164,14 +164,14 @@ def format_table(rows: list[Compiled]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--specs", help="launches captured by loadtest.kernel_launches (JSON); default: capture now")
+    parser.add_argument("--specs", help="launches captured by tools.kernel_launches (JSON); default: capture now")
     parser.add_argument("--capture", metavar="OUT", help="only capture the launches into OUT (runs the interpreter)")
     parser.add_argument("--json", help="write the compiled rows here")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     args = parser.parse_args()
 
     if args.capture:
-        from loadtest.kernel_launches import capture_all, dump
+        from tools.kernel_launches import capture_all, dump
 
         with tempfile.TemporaryDirectory() as work:
             dump(capture_all(work)[0], args.capture)

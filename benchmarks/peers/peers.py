@@ -18,12 +18,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from loadtest.bench_vllm_cpu import trace_info
-from loadtest.metrics import busy_cpu_s, session_cpu_s
-from loadtest.trace import TraceRequest, TraceSpec
+from benchmarks.peers.bench_vllm_cpu import trace_info
+from benchmarks.common.metrics import busy_cpu_s, session_cpu_s
+from benchmarks.common.trace import TraceRequest, TraceSpec
 
-ROOT = Path(__file__).resolve().parent.parent
-VLLM_SCRIPT = ROOT / "loadtest" / "vllm_cpu.sh"
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_cpu.sh"
 TARGET = 1.25  # inflight ÷ vLLM-CPU, in each dtype (issue 10)
 UNAVAILABLE = 3  # vllm_cpu.sh's exit status when vLLM's virtualenv cannot be created
 

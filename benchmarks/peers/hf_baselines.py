@@ -15,8 +15,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, GenerationConfig, LogitsProcessor, LogitsProcessorList
 
-from loadtest.metrics import RunResult
-from loadtest.trace import TraceRequest
+from benchmarks.common.metrics import RunResult
+from benchmarks.common.trace import TraceRequest
 
 
 def load_hf_model(model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only: benchmarks run headless
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from loadtest.metrics import RunResult  # noqa: E402
+from benchmarks.common.metrics import RunResult  # noqa: E402
 
 DPI = 90
 SIZE = (7.0, 3.6)

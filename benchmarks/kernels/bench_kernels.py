@@ -6,9 +6,9 @@ geometry (32 query heads, 8 KV heads, head_dim 128, block_size 16) at batch 1..2
 512..8k, one layer. Baselines: the torch path a paged cache forces (gather the blocks, then SDPA)
 and SDPA over already-dense KV (what a contiguous cache would cost).
 
-    python -m loadtest.bench_kernels                      # full sweep, fp16
-    python -m loadtest.bench_kernels --batches 1 32 --contexts 2048 --json out.json
-    python -m loadtest.bench_kernels --smoke              # tiny shapes; checks the script on a CPU
+    python -m benchmarks.kernels.bench_kernels                      # full sweep, fp16
+    python -m benchmarks.kernels.bench_kernels --batches 1 32 --contexts 2048 --json out.json
+    python -m benchmarks.kernels.bench_kernels --smoke              # tiny shapes; checks the script on a CPU
 
 Timings use triton.testing.do_bench (L2 flushed between runs). Targets: docs/BENCHMARKS.md.
 """

@@ -1,6 +1,6 @@
 """Host time of the runner's prepare() (step tensors) and of the sampler, per engine step, on the demo model.
 
-    python -m loadtest.bench_prepare --num-seqs 32 256
+    python -m benchmarks.engine.bench_prepare --num-seqs 32 256
 
 Each run admits N requests (random prompts of --prompt-len tokens, half greedy, half sampled with
 top-p/top-k and a repetition penalty), steps until all are decoding, then times --steps decode steps;

@@ -16,8 +16,8 @@ from tqdm.auto import tqdm
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.sampling_params import SamplingParams
-from loadtest.metrics import RunResult, StepRecord
-from loadtest.trace import TraceRequest
+from benchmarks.common.metrics import RunResult, StepRecord
+from benchmarks.common.trace import TraceRequest
 
 
 def exact_params(output_len: int) -> SamplingParams:

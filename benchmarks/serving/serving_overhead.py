@@ -1,7 +1,7 @@
 """Serving overhead: the same trace through a running tritonserver (gRPC streaming) vs the engine in-process.
 
-    python -m loadtest.serving_overhead                      # launches a server on free ports
-    python -m loadtest.serving_overhead --url localhost:8001 # or uses one already serving the same model
+    python -m benchmarks.serving.serving_overhead                      # launches a server on free ports
+    python -m benchmarks.serving.serving_overhead --url localhost:8001 # or uses one already serving the same model
 
 Both sides keep `--concurrency` requests in flight (closed loop: a finished request is replaced at once),
 send the same text prompts with exact output lengths, and are timed where a user would see them: the
@@ -29,10 +29,10 @@ from tokenizers import Tokenizer
 
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
-from loadtest.metrics import cpu_contention, percentiles
-from loadtest.models import resolve_model
-from loadtest.replay import exact_params, warm_up
-from loadtest.trace import TraceSpec, make_trace, prompt_texts
+from benchmarks.common.metrics import cpu_contention, percentiles
+from benchmarks.common.models import resolve_model
+from benchmarks.common.replay import exact_params, warm_up
+from benchmarks.common.trace import TraceSpec, make_trace, prompt_texts
 
 
 @dataclass
@@ -182,7 +182,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stream-interval", type=int, default=1, help="the server's stream_interval (tokens per streamed response)"
     )
     p.add_argument("--dtype", default="auto", help="both sides' dtype")
-    p.add_argument("--out", type=Path, default=Path("loadtest/results"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     return p.parse_args(argv)
 
 

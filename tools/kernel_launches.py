@@ -8,7 +8,7 @@ scenario with prefill chunks, decode, mixed steps and a split-K decode; `geometr
 1-layer checkpoints with real models' attention geometry for the same run.
 
 Runs only with `TRITON_INTERPRET=1` on a CPU (set before triton is imported); the specs it returns
-are compiled for GPU targets by `loadtest.kernel_resources` in a process without the interpreter.
+are compiled for GPU targets by `tools.kernel_resources` in a process without the interpreter.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Our CPU GEMM (`inflight.models.cpu_gemm`) against oneDNN's pre-packed weights, on a model's layer shapes.
 
-    python -m loadtest.bench_gemm --model llama50m --dtype float32 bfloat16 --rows 1 8 32 64 256
-    python -m loadtest.bench_gemm --threads 1
+    python -m benchmarks.kernels.bench_gemm --model llama50m --dtype float32 bfloat16 --rows 1 8 32 64 256
+    python -m benchmarks.kernels.bench_gemm --threads 1
 
 Per shape (K inputs -> N outputs) and row count M: the median time of each, their ratio, our GFLOP/s and
 GB/s of weights, and whether every row came out the same bits alone as in the batch (batch invariance;
@@ -19,7 +19,7 @@ import torch
 
 from inflight.config import DTYPES
 from inflight.models import cpu_gemm
-from loadtest.models import resolve_model
+from benchmarks.common.models import resolve_model
 
 
 def layer_shapes(model_dir) -> list[tuple[str, int, int]]:

@@ -1,7 +1,7 @@
 """Prefix caching on vs off, side by side in one process: a shared-prefix trace and the default trace.
 
-    python -m loadtest.bench_prefix_cache            # 256 requests, 8 system prompts of 1000 tokens
-    python -m loadtest.bench_prefix_cache --quick    # seconds: a smoke run
+    python -m benchmarks.engine.bench_prefix_cache            # 256 requests, 8 system prompts of 1000 tokens
+    python -m benchmarks.engine.bench_prefix_cache --quick    # seconds: a smoke run
 
 On the shared-prefix trace caching should cut TTFT and raise throughput; on the default trace (random
 prompts, nothing shared) it can only cost (hashing, bookkeeping). Writes summary.json and plots to --out.
@@ -22,13 +22,13 @@ from typing import Any
 import torch
 
 from inflight.config import EngineConfig
-from loadtest import plots
-from loadtest.bench_batching import _measured, _vocab, machine_info
-from loadtest.metrics import RunResult, summarize
-from loadtest.models import resolve_model
-from loadtest.replay import run_engine
-from loadtest.trace import SharedPrefixSpec, TraceSpec, make_shared_prefix_trace, make_trace
-from loadtest.trace import summarize as summarize_trace
+from benchmarks.common import plots
+from benchmarks.engine.bench_batching import _measured, _vocab, machine_info
+from benchmarks.common.metrics import RunResult, summarize
+from benchmarks.common.models import resolve_model
+from benchmarks.common.replay import run_engine
+from benchmarks.common.trace import SharedPrefixSpec, TraceSpec, make_shared_prefix_trace, make_trace
+from benchmarks.common.trace import summarize as summarize_trace
 
 QUICK = {
     "num_requests": 16,
@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--out", type=Path, default=Path("loadtest/results/prefix_cache"))
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/prefix_cache"))
     p.add_argument("--quick", action="store_true", help="a small smoke run (tests use it)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -151,7 +151,7 @@ def run_all(args: argparse.Namespace) -> dict[str, Any]:
         cost_ok = figures["default_throughput_cost"] <= 0.02
         targets["caching costs <= 2% on the default trace"] = cost_ok if spread <= 0.02 or not cost_ok else None
     result = {
-        "command": shlex.join(["python", "-m", "loadtest.bench_prefix_cache", *args.argv]),
+        "command": shlex.join(["python", "-m", "benchmarks.engine.bench_prefix_cache", *args.argv]),
         "model": str(model_dir),
         "shared_trace": {"spec": asdict(shared_spec), **summarize_trace(shared)},
         "default_trace": {"spec": asdict(default_spec), **summarize_trace(default)},

@@ -1,7 +1,7 @@
 """The forward pass alone: decode steps (and one prefill) timed against the hardware's floors.
 
-    python -m loadtest.bench_decode_step --model llama50m --dtype float32 bfloat16
-    python -m loadtest.bench_decode_step --profile      # + the top ops and the op count of one decode step
+    python -m benchmarks.engine.bench_decode_step --model llama50m --dtype float32 bfloat16
+    python -m benchmarks.engine.bench_decode_step --profile      # + the top ops and the op count of one decode step
 
 Floors: batch 1 reads every weight once per step, so its floor is weight bytes / the copy bandwidth
 measured here; batch B is GEMM-bound, so its floor is 2 * parameters * B FLOP (plus attention's
@@ -35,7 +35,7 @@ from inflight.executor.attention import AttentionMetadata
 from inflight.executor.model_runner import ModelRunner
 from inflight.models.loader import load_model
 from inflight.models.packed_linear import PackedLinear
-from loadtest.models import resolve_model
+from benchmarks.common.models import resolve_model
 
 
 def batch_metadata(seq_lens: list[int], query_lens: list[int], block_size: int, device: torch.device):

