@@ -319,8 +319,10 @@ def capture_all(work_dir: str | Path, demo_dir: str | Path | None = None) -> tup
     return list(specs.values()), logs
 
 
-def main() -> None:
-    """Prints attention rows computed vs real per step of the demo scenario (the launch log)."""
+def main(argv: list[str] | None = None) -> None:
+    """Prints attention rows computed vs real per step of the demo scenario (the launch log); with
+    --capture-all DIR, records every run instead: DIR/specs.json (what `kernel_resources --specs` compiles)
+    and DIR/attention_rows.json (each run's attention launches)."""
     import argparse
     import os
     import tempfile
@@ -329,9 +331,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--model", default="demo", choices=["demo", *GEOMETRIES])
     parser.add_argument("--dtype", default="float32")
-    args = parser.parse_args()
+    parser.add_argument("--capture-all", metavar="DIR", type=Path, help="record every run of CAPTURE_RUNS into DIR")
+    args = parser.parse_args(argv)
     from inflight.demo_model import ensure_demo_model
 
+    if args.capture_all:
+        args.capture_all.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as work:
+            specs, logs = capture_all(work)
+        dump(specs, args.capture_all / "specs.json")
+        rows = {run: log.attention_rows for run, log in logs.items()}
+        (args.capture_all / "attention_rows.json").write_text(json.dumps(rows))
+        print(f"{len(specs)} specializations from {len(logs)} runs -> {args.capture_all}")
+        return
     with tempfile.TemporaryDirectory() as work:
         model_dir = geometry_checkpoint(args.model, ensure_demo_model(Path(work) / "demo"), Path(work) / "model")
         steps = rows_per_step(capture_engine_launches(model_dir, args.dtype))

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from benchmarks.common.metrics import RunResult, StepRecord
+from benchmarks.common.trace import TraceRequest
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.sampling_params import SamplingParams
-from benchmarks.common.metrics import RunResult, StepRecord
-from benchmarks.common.trace import TraceRequest
 
 
 def exact_params(output_len: int) -> SamplingParams:

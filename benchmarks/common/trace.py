@@ -223,3 +223,63 @@ def word_prompts(trace: Sequence[TraceRequest], seed: int = 0) -> list[str]:
     clients that do not have the served model's tokenizer."""
     rng = np.random.default_rng(seed)
     return [" ".join(rng.choice(_WORDS, size=r.prompt_len)) for r in trace]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Builds a trace and prints what it asks for (JSON): the summary, digest, the ideal continuous ÷ static
+    ratio, the KV blocks it needs, and with --per-request each request's lengths and arrival."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(description="Inspect a seeded request trace (what the benchmarks replay).")
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"), help="or suffix")
+    p.add_argument("--output-len", type=int, nargs=2, default=(8, 512), metavar=("MIN", "MAX"))
+    p.add_argument("--output-dist", choices=OUTPUT_DISTRIBUTIONS, default="pareto")
+    p.add_argument("--pareto-alpha", type=float, default=0.8)
+    p.add_argument("--rate", type=float, default=None, help="Poisson arrivals (requests/s); default: all at t = 0")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--shared-prefixes", type=int, default=None, help="a shared-prefix trace with this many prompts")
+    p.add_argument("--prefix-len", type=int, default=1000, help="with --shared-prefixes")
+    p.add_argument("--batch-size", type=int, default=32, help="for the ideal continuous ÷ static ratio")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--per-request", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        if args.shared_prefixes is None:
+            spec = TraceSpec(
+                args.num_requests, tuple(args.prompt_len), tuple(args.output_len), args.output_dist,
+                args.pareto_alpha, args.rate, args.seed,
+            )  # fmt: skip
+            trace = make_trace(spec, args.vocab_size)
+        else:
+            shared = SharedPrefixSpec(
+                args.num_requests, args.shared_prefixes, args.prefix_len, tuple(args.prompt_len),
+                tuple(args.output_len), args.rate, args.seed,
+            )  # fmt: skip
+            trace = make_shared_prefix_trace(shared, args.vocab_size)
+    except ValueError as e:
+        p.error(str(e))
+    ids = [t for r in trace for t in r.prompt_token_ids]
+    out = summarize(trace) | {
+        "digest": digest(trace),
+        "distinct_request_ids": len({r.request_id for r in trace}),
+        "token_id_range": [min(ids), max(ids)],
+        "ideal_continuous_over_static": ideal_continuous_ratio(trace, args.batch_size),
+        "kv_blocks_needed": kv_blocks_needed(trace, args.block_size),
+    }
+    if args.per_request:
+        prefixes: dict[tuple[int, ...], int] = {}
+        out["requests"] = [
+            {"prompt_len": r.prompt_len, "output_len": r.output_len, "arrival_s": r.arrival_s}
+            | ({"prefix": prefixes.setdefault(r.prompt_token_ids[: args.prefix_len], len(prefixes))}
+               if args.shared_prefixes else {})
+            for r in trace
+        ]  # fmt: skip
+    print(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,2 @@
-"""Offline engine benchmarks: batching policies A/B, prefix caching, structured outputs, prepare, decode step, torch.compile."""
+"""Offline engine benchmarks: batching policies A/B, prefix caching, structured outputs, input prepare,
+the decode step against its floors, torch.compile."""

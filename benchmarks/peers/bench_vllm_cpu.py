@@ -1,5 +1,5 @@
-"""Run 7: vLLM on CPU over the benchmark's trace. Runs inside the virtualenv `vllm_cpu.sh` makes, where
-inflight is not installed: only numpy-level helpers of loadtest are imported.
+"""vLLM on CPU over the benchmark's trace. Runs inside the virtualenv `vllm_cpu.sh` makes, where inflight
+is not installed: only the numpy-level helpers of benchmarks.common are imported.
 
 Writes a run summary in the benchmark's shape; `bench_batching --vllm-result FILE` adds it to the table,
 and `bench_batching --peers vllm` runs this through `vllm_cpu.sh` itself, once per model and dtype.
@@ -32,6 +32,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/vllm_cpu.json"))
+    p.add_argument(
+        "--dry-run-wall-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="no vLLM: write the summary as if every requested token came in S seconds (checks the plumbing)",
+    )
     return p.parse_args(argv)
 
 
@@ -78,12 +85,15 @@ def result(
 
 
 def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    trace = make_args_trace(args)
+    if args.dry_run_wall_s is not None:
+        return write(args, result(args, trace, sum(r.output_len for r in trace), args.dry_run_wall_s, "dry-run"))
+
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    args = parse_args(argv)
-    trace = make_args_trace(args)
     llm = LLM(
         model=str(args.model_dir),
         dtype=args.dtype,
@@ -105,9 +115,13 @@ def main(argv: list[str] | None = None) -> dict:
     summary = result(args, trace, tokens, wall, vllm.__version__)
     summary["window_unix_s"] = [started, ended]  # the caller measures other processes' CPU over this window
     summary["sample_text"] = outputs[0].outputs[0].text[:200]  # shows that vLLM detokenized what it sampled
+    return write(args, summary)
+
+
+def write(args: argparse.Namespace, summary: dict[str, Any]) -> dict[str, Any]:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
-    print(f"vllm-cpu: {tokens} tokens in {wall:.1f} s = {summary['tokens_per_s']:.0f} tok/s -> {args.out}")
+    print(f"vllm-cpu: {summary['output_tokens']} tokens = {summary['tokens_per_s']:.0f} tok/s -> {args.out}")
     return summary
 
 

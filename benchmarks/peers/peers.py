@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.bench_vllm_cpu import trace_info
 from benchmarks.common.metrics import busy_cpu_s, session_cpu_s
 from benchmarks.common.trace import TraceRequest, TraceSpec
+from benchmarks.peers.bench_vllm_cpu import trace_info
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_cpu.sh"

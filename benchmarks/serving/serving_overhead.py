@@ -27,12 +27,12 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from inflight.config import EngineConfig
-from inflight.engine.engine import LLMEngine
 from benchmarks.common.metrics import cpu_contention, percentiles
 from benchmarks.common.models import resolve_model
 from benchmarks.common.replay import exact_params, warm_up
 from benchmarks.common.trace import TraceSpec, make_trace, prompt_texts
+from inflight.config import EngineConfig
+from inflight.engine.engine import LLMEngine
 
 
 @dataclass
