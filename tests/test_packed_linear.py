@@ -116,7 +116,7 @@ def test_tied_bf16_head_shares_the_embedding_and_pads_a_lone_row(tmp_path):
 
 def test_bf16_gemm_takes_amx_tiles_where_the_cpu_has_them():
     """On a CPU with AMX our bf16 GEMM runs on its tiles (4-5x the AVX512-BF16 kernel at 64 rows on
-    llama50m's shapes, `python -m loadtest.bench_gemm`); elsewhere, or with a K that is not whole 32-wide
+    llama50m's shapes, `python -m benchmarks.kernels.bench_gemm`); elsewhere, or with a K that is not whole 32-wide
     tiles (the 528 case above), on AVX512-BF16."""
     from test_bf16_reference import cpuinfo_flags
 

@@ -2,7 +2,7 @@
 
 `load_inline` binds them through `torch::wrap_pybind_function`, which holds the GIL (its `_no_gil` twin
 releases it). Served, the responder thread (encoding and sending the last step's responses) then runs
-between forwards, not during them. Measured on the 2-core host (`python -m loadtest.serving_overhead`,
+between forwards, not during them. Measured on the 2-core host (`python -m benchmarks.serving.serving_overhead`,
 turns of both builds): binding with `_no_gil` lowered served throughput to 0.83-0.85x (demo model: 2297 /
 2365 vs 2762 / 2767 tok/s) and 0.90x (llama50m: 574 vs 637) and raised TTFT p50 1.07-1.19x, with ITL p99
 0.49-0.66x: a responder free to run during the forward takes a core from one of its two threads, which
