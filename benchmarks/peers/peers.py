@@ -24,7 +24,7 @@ from benchmarks.peers.bench_vllm_cpu import trace_info
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_cpu.sh"
-TARGET = 1.25  # inflight ÷ vLLM-CPU, in each dtype (issue 10)
+TARGET = 1.25  # inflight ÷ vLLM-CPU, in each dtype
 UNAVAILABLE = 3  # vllm_cpu.sh's exit status when vLLM's virtualenv cannot be created
 
 
