@@ -255,6 +255,7 @@ def test_bench_prepare_times_prepare_and_the_sampler():
     assert "decode: prepare" in text and "churn : prepare" in text and "sampler" in text
 
 
+@pytest.mark.slow
 def test_bench_structured(demo_model_dir, tmp_path):
     out = tmp_path / "structured.json"
     args = ["--model", demo_model_dir, "--requests", "2", "--rounds", "1", "--reps", "1", "--out", str(out)]
