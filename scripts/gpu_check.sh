@@ -50,13 +50,13 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
             tests/test_engine_reference.py tests/test_bf16_reference.py tests/test_prefix_cache.py \
             tests/test_cuda_graphs.py ;;
     bench_kernels)
-        stage bench_kernels 200 "$PY" -m loadtest.bench_kernels --batches 1 4 16 64 256 --contexts 512 2048 8192 \
+        stage bench_kernels 200 "$PY" -m benchmarks.kernels.bench_kernels --batches 1 4 16 64 256 --contexts 512 2048 8192 \
             --json "$LOGS/bench_kernels.json" ;;
     bench_engine)
-        stage bench_engine 380 "$PY" -m loadtest.bench_batching --device cuda --model "$ENGINE_MODEL" \
+        stage bench_engine 380 "$PY" -m benchmarks.engine.bench_batching --device cuda --model "$ENGINE_MODEL" \
             --dtype bfloat16 --no-progress --out "$LOGS/bench_engine" ${ENGINE_ARGS:---skip overhead} ;;
     decode_step)
-        stage decode_step 300 "$PY" -m loadtest.bench_decode_step --device cuda --model "$ENGINE_MODEL" \
+        stage decode_step 300 "$PY" -m benchmarks.engine.bench_decode_step --device cuda --model "$ENGINE_MODEL" \
             --dtype bfloat16 --batch 1 16 64 256 --context 1024 --prefill 1024 --profile --profile-batch 64 ;;
     serving)
         site=/tmp/gpu-check-site
@@ -77,7 +77,7 @@ PYEOF
         purelib=$("$PY" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
         printf '%s\n' "$site" "$PWD/src" "$PWD/kernels" "$PWD/client" "$PWD" >"$purelib/inflight_gpu_check.pth"
         stage serving 480 env PYTHONPATH="$site:$PYTHONPATH" PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" \
-            "$PY" -m loadtest.serving_overhead --device cuda --model "$ENGINE_MODEL" --dtype bfloat16 \
+            "$PY" -m benchmarks.serving.serving_overhead --device cuda --model "$ENGINE_MODEL" --dtype bfloat16 \
             --max-num-seqs 64 --out "$LOGS/serving"
         tail -n 30 "$LOGS/serving/tritonserver.log" 2>/dev/null ;;
     *) echo "unknown stage $s"; status=1 ;;

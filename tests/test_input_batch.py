@@ -333,14 +333,3 @@ def test_randomized_schedules_give_the_reference_inputs(
                 sched.finish(victim, FinishReason.ABORT)
         step += 1
         assert step < 2000, "the schedule did not drain"
-
-
-def test_bench_prepare_times_prepare_and_the_sampler_every_step(demo_model_dir):
-    from loadtest import bench_prepare
-
-    for churn in (False, True):
-        row = bench_prepare.run_one(demo_model_dir, num_seqs=4, prompt_len=20, steps=3, churn=churn)
-        assert row["num_seqs"] == 4 and row["phase"] == ("churn" if churn else "decode")
-        assert 0 < row["prepare_ms_p50"] <= row["prepare_ms_p90"]
-        assert 0 < row["sampler_ms_p50"] <= row["sampler_ms_p90"]
-        assert row["running"] >= 1

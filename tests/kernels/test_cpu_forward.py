@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.batches import batch_metadata
 from test_loader import CASES, make_checkpoint
 
 from inflight.executor.attention import AttentionMetadata
@@ -20,7 +21,6 @@ from inflight.executor.cpu_forward import CpuForward
 from inflight.executor.model_runner import ModelRunner
 from inflight.models.loader import load_model
 from inflight.ops import cpu
-from loadtest.bench_decode_step import batch_metadata
 
 BLOCK = 8
 # (context length, query tokens) per sequence: a decode row, a fresh prompt, a chunk after a cached

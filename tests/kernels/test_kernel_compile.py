@@ -1,22 +1,27 @@
 """Every kernel specialization the engine launches compiles for sm_80 and sm_90, on this CPU machine.
 
 The launches are recorded from interpreter runs of the engine through the Triton backend (the demo
-model and two real attention geometries); each is compiled by ptxas for both targets in a process
-without the interpreter and must fit the target's shared memory per block.
+model and two real attention geometries) by `tools.kernel_launches`; each is compiled by ptxas for both
+targets by `tools.kernel_resources` in a process without the interpreter and must fit the target's shared
+memory per block. Both tools run as subprocesses, as a developer runs them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from inflight.ops.triton.paged_attention import DECODE_BLOCK_M, PREFILL_BLOCK_M
-from loadtest.kernel_launches import GEOMETRIES, capture_all
-from loadtest.kernel_resources import SHARED_LIMIT, TARGETS, run_in_subprocess
 
+ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_unified_attention_kernel", "_merge_kernel", "_kv_write_kernel", "_rms_norm_kernel", "_rope_kernel"}
+GEOMETRIES = ("llama3_8b", "qwen2_hd80")  # tools.kernel_launches.GEOMETRIES
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # shared memory per block, bytes
 # On a GPU machine the kernel tests run every kernel for real; this check is for machines without one.
 pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under TRITON_INTERPRET=1 (no GPU here)"
@@ -24,24 +29,36 @@ pytestmark = pytest.mark.skipif(
 RUNS = {"demo/fp32", "demo/fp16", "demo/bf16"} | {f"{g}/{d}" for g in GEOMETRIES for d in ("fp16", "bf16")}
 
 
+def run_tool(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | (
+        {"TRITON_INTERPRET": "1"} if interpret else {}
+    )
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    done = subprocess.run([sys.executable, "-m", *args], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    return done
+
+
 @pytest.fixture(scope="module")
-def captured(tmp_path_factory, demo_model_dir):
-    return capture_all(tmp_path_factory.mktemp("capture"), demo_model_dir)
+def captured(tmp_path_factory) -> tuple[Path, list[dict], dict[str, list[dict]]]:
+    out = tmp_path_factory.mktemp("capture")
+    run_tool(["tools.kernel_launches", "--capture-all", str(out)], interpret=True)
+    specs = json.loads((out / "specs.json").read_text())
+    return out / "specs.json", specs, json.loads((out / "attention_rows.json").read_text())
 
 
-def constexprs(spec) -> dict:
-    return {name: value for name, kind, value in spec.params if kind == "constexpr"}
+def constexprs(spec: dict) -> dict:
+    return {name: value for name, kind, value in spec["params"] if kind == "constexpr"}
 
 
-def test_recorder_covers_every_launched_kernel():
-    """A kernel added to `inflight.ops.triton` must be added to the recorder (and so to the compile check)."""
+def test_every_jit_kernel_is_recorded(captured):
+    """A kernel added to `inflight.ops.triton` must be launched by the capture (and so compile-checked)."""
     import importlib
     import pkgutil
 
     from triton.runtime.interpreter import InterpretedFunction
 
     import inflight.ops.triton
-    from loadtest.kernel_launches import KERNELS as RECORDED
 
     found = set()
     for info in pkgutil.iter_modules(inflight.ops.triton.__path__):
@@ -51,15 +68,17 @@ def test_recorder_covers_every_launched_kernel():
             for name, obj in vars(module).items()
             if isinstance(obj, InterpretedFunction) and name.endswith("_kernel")
         }
-    assert found == {f"{m}:{k}" for m, names in RECORDED.items() for k in names}
+    assert found == {s["kernel"] for s in captured[1]}
 
 
 def test_capture_sees_every_kernel_path(captured):
-    specs, _ = captured
-    assert {s.kernel.split(":")[1] for s in specs} == KERNELS
-    assert {t for s in specs for t in s.tags} == RUNS
+    specs = captured[1]
+    assert {s["kernel"].split(":")[1] for s in specs} == KERNELS
+    assert {t for s in specs for t in s["tags"]} == RUNS
     for run in RUNS:
-        attention = [constexprs(s) for s in specs if run in s.tags and s.kernel.endswith("_unified_attention_kernel")]
+        attention = [
+            constexprs(s) for s in specs if run in s["tags"] and s["kernel"].endswith("_unified_attention_kernel")
+        ]
         # prefill tiles, decode tiles, split-K decode tiles: one binary each, whatever the batch
         # (no specialization on a value that changes from step to step, e.g. the block-table width)
         kinds = sorted((c["BLOCK_Q"] * c["GROUP_PAD"], c["SPLIT"]) for c in attention)
@@ -67,24 +86,19 @@ def test_capture_sees_every_kernel_path(captured):
 
 
 def test_every_launched_specialization_compiles_for_sm80_and_sm90(captured, tmp_path):
-    from loadtest.kernel_launches import dump
-
-    specs, _ = captured
-    dump(specs, tmp_path / "specs.json")
-    done = run_in_subprocess(["--specs", str(tmp_path / "specs.json"), "--json", str(tmp_path / "out.json")], False)
-    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    specs_path, specs, _ = captured
+    run_tool(["tools.kernel_resources", "--specs", str(specs_path), "--json", str(tmp_path / "out.json")], False)
     rows = json.loads((tmp_path / "out.json").read_text())
-    assert len(rows) == len(specs) * len(TARGETS)
+    assert len(rows) == len(specs) * len(SHARED_LIMIT)
     for row in rows:
         assert row["ok"] and 0 <= row["shared_bytes"] <= SHARED_LIMIT[row["arch"]], row
         assert 0 < row["registers"] <= 255, row
 
 
 def test_mixed_steps_give_decode_queries_decode_tiles(captured):
-    _, logs = captured
-    for run, log in logs.items():
+    for run, rows in captured[2].items():
         mixed = 0
-        for launch in log.attention_rows:
+        for launch in rows:
             if launch["block_m"] == PREFILL_BLOCK_M:  # a prefill-sized tile holds no decode query
                 assert launch["decode_tiles"] == 0, (run, launch)
             mixed += launch["decode_seqs"] > 0 and launch["prefill_seqs"] > 0

@@ -250,7 +250,7 @@ def paged_attention(
     fp32 = query.dtype == torch.float32
     for tiles in plan.launches:
         # With 4 warps a 64-row prefill tile spills registers at head_dim 128 or in fp32 (ptxas for
-        # sm_80/sm_90, `loadtest.kernel_resources`); 8 warps hold it. Decode tiles never spill.
+        # sm_80/sm_90, `tools.kernel_resources`); 8 warps hold it. Decode tiles never spill.
         wide = tiles.block_q * group_pad >= PREFILL_BLOCK_M and (head_dim_pad >= 128 or fp32)
         _unified_attention_kernel[(tiles.tile_seq.numel(), num_kv_heads, plan.num_splits)](
             query,

@@ -1,0 +1,1 @@
+"""What the benchmarks share: seeded traces, run metrics, benchmark models, the engine replay, plots, the report."""

@@ -1,0 +1,1 @@
+"""Serving benchmarks: tritonserver over gRPC streaming vs in-process, the OpenAI port vs direct gRPC."""
