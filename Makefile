@@ -16,7 +16,7 @@ test: install
 	$(VENV)/bin/clang-format --dry-run --Werror csrc/cpu/*
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-## Serve the embedded demo model from a real tritonserver (gRPC 8001, HTTP 8000, metrics 8002).
+## Serve SmolLM2-135M-Instruct (SERVE_ARGS="--model demo": the random tiny demo model) from a real tritonserver (gRPC 8001, HTTP 8000, metrics 8002, OpenAI 9000).
 serve: install
 	$(VENV)/bin/inflight serve $(SERVE_ARGS)
 

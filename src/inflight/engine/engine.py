@@ -20,8 +20,9 @@ from inflight.engine.stats import EngineSnapshot, StepStats
 from inflight.engine.structured_output import StructuredOutputManager
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
+from inflight.model_source import resolve_model
 from inflight.models.config import ModelConfig
-from inflight.models.loader import load_model, load_tokenizer
+from inflight.models.loader import config_errors, load_model, load_tokenizer
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 from inflight.text.detokenizer import IncrementalDetokenizer, detokenize_batch
@@ -30,10 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path, config: EngineConfig | None = None) -> None:
+    def __init__(self, model_dir: str | Path | None = None, config: EngineConfig | None = None) -> None:
+        """`model_dir`: an HF checkpoint directory, a GGUF file (or a directory holding one), "demo", or None
+        for the default model (SmolLM2-135M-Instruct, inflight.model_source)."""
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device)
-        ckpt_dtype = ModelConfig.from_dir(model_dir).torch_dtype
+        with config_errors():
+            model_dir = resolve_model(model_dir)
+        ckpt_dtype = ModelConfig.load(model_dir).torch_dtype
         self.dtype, why = config.resolve_dtype(ckpt_dtype)
         logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, why)
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device)

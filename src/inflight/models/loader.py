@@ -1,8 +1,11 @@
-"""Load an HF checkpoint directory (config.json, *.safetensors, tokenizer.json) — all or nothing."""
+"""Load a model — all or nothing: an HF checkpoint directory (config.json, *.safetensors, tokenizer.json)
+or a GGUF file (a .gguf, or a directory holding one; tensors dequantized by models/gguf_loader.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -10,7 +13,9 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from inflight.config import ConfigError
+from inflight.model_source import ModelSourceError, find_gguf, gguf_metadata
 from inflight.models.config import ModelConfig
+from inflight.models.gguf_loader import read_tensors
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import pack_linears
 
@@ -34,7 +39,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def config_errors() -> Iterator[None]:
+    """A model source's error (inflight.model_source, torch-free) as the engine's ConfigError."""
+    try:
+        yield
+    except ModelSourceError as e:
+        raise ConfigError(str(e)) from None
+
+
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    with config_errors():
+        gguf_file = find_gguf(model_dir)
+        if gguf_file is not None:
+            return gguf_metadata(gguf_file).tokenizer()
     path = Path(model_dir) / "tokenizer.json"
     if not path.is_file():
         raise ConfigError(f"{path}: missing (only HF fast tokenizers, tokenizer.json, are supported)")
@@ -45,29 +63,20 @@ def load_model(
     model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     model_dir = Path(model_dir)
-    cfg = ModelConfig.from_dir(model_dir)
+    with config_errors():
+        gguf_file = find_gguf(model_dir)
+    cfg = ModelConfig.load(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
-    loaded: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name not in expected:
-                    if cfg.tie_word_embeddings and name == "lm_head.weight":
-                        continue
-                    raise ConfigError(f"{path.name}: unexpected tensor {name!r} for {cfg.architecture}")
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != tuple(expected[name].shape):
-                    raise ConfigError(
-                        f"{path.name}: tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"config.json implies {tuple(expected[name].shape)}"
-                    )
-                loaded[name] = tensor.to(device=device, dtype=dtype)
+    if gguf_file is not None:
+        loaded = read_tensors(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads, dtype, device)
+        for name, tensor in loaded.items():
+            _check_tensor(gguf_file.name, name, tensor, expected, cfg, "the GGUF metadata")
+    else:
+        loaded = _read_safetensors(model_dir, cfg, expected, dtype, device)
     missing = sorted(set(expected) - set(loaded))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -80,3 +89,27 @@ def load_model(
     pack_linears(model, skip={model.lm_head} if cfg.tie_word_embeddings else set())
     model.eval().requires_grad_(False)
     return model, cfg
+
+
+def _check_tensor(file: str, name: str, tensor: torch.Tensor, expected: dict, cfg: ModelConfig, source: str) -> None:
+    if name not in expected:
+        raise ConfigError(f"{file}: unexpected tensor {name!r} for {cfg.architecture}")
+    if tuple(tensor.shape) != tuple(expected[name].shape):
+        raise ConfigError(
+            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, {source} implies {tuple(expected[name].shape)}"
+        )
+
+
+def _read_safetensors(model_dir: Path, cfg: ModelConfig, expected: dict, dtype, device) -> dict[str, torch.Tensor]:
+    loaded: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name not in expected and cfg.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                tensor = f.get_tensor(name)
+                _check_tensor(path.name, name, tensor, expected, cfg, "config.json")
+                loaded[name] = tensor.to(device=device, dtype=dtype)
+    return loaded

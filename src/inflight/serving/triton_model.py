@@ -20,8 +20,8 @@ import triton_python_backend_utils as pb_utils
 
 from inflight.coerce import field_types, parse_scalar, type_name
 from inflight.config import ConfigError, EngineConfig
-from inflight.demo_model import cached_demo_model
 from inflight.engine.engine import LLMEngine
+from inflight.model_source import ModelSourceError, resolve_model
 from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError
@@ -73,7 +73,11 @@ class ServerSettings:
         if stream_interval < 1:
             raise ConfigError(f"config.pbtxt parameter stream_interval={stream_interval} is invalid: must be >= 1")
         step_log = parameters.get("step_log", "").strip() or None
-        return cls(model or str(cached_demo_model()), config, step_log, stream_interval)
+        try:
+            model_path = str(resolve_model(model))  # "" = the default model, "demo" = the demo checkpoint
+        except ModelSourceError as e:
+            raise ConfigError(f"config.pbtxt parameter model={model!r}: {e}") from None
+        return cls(model_path, config, step_log, stream_interval)
 
 
 def _parse(name: str, raw: str, kind: type) -> object:

@@ -100,14 +100,11 @@ class Frontend:
                 max_len = params.get("max_model_len", "")
                 max_bytes = params.get("max_prompt_bytes", "")
                 model_dir = self.model_dir or (Path(params["model"]) if params.get("model") else None)
-                if model_dir is None:  # the model serves the embedded demo checkpoint; the same bytes here
-                    from inflight.demo_model import cached_demo_model
-
-                    model_dir = await asyncio.to_thread(cached_demo_model)
                 if self.metrics_url:
                     self.kv_capacity = await asyncio.to_thread(_kv_capacity, self.metrics_url, self.llm.model)
+                # No model: the default one (SmolLM2's GGUF), "demo": the demo checkpoint; the same bytes here.
                 checkpoint = await asyncio.to_thread(
-                    Checkpoint.load, model_dir, int(max_len) if max_len.strip().isdigit() else None
+                    Checkpoint.resolve, model_dir, int(max_len) if max_len.strip().isdigit() else None
                 )
                 if max_bytes.strip().isdigit():
                     self.max_prompt_bytes = int(max_bytes)

@@ -97,6 +97,20 @@ class ChatTemplate:
             )
         return cls(source, tokens, str(config_path))
 
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> ChatTemplate:
+        """A GGUF file's `tokenizer.chat_template`, its special tokens named by `tokenizer.ggml.*_token_id`."""
+        from inflight.model_source import gguf_metadata
+
+        meta = gguf_metadata(path)
+        source = meta.chat_template()
+        if not source:
+            raise ChatTemplateError(
+                f"the GGUF file {path} has no chat template (no 'tokenizer.chat_template' in its metadata): use "
+                "/v1/completions with a prompt you format yourself"
+            )
+        return cls(source, meta.special_tokens(), f"{path} (tokenizer.chat_template)")
+
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any) -> str:
         variables = {"tools": None, "documents": None, **self.special_tokens, **kwargs}  # HF passes both, maybe None
         try:

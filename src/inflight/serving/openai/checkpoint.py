@@ -1,5 +1,6 @@
 """What the front reads from the served checkpoint: its chat template, its tokenizer (to count a chat
-prompt's tokens for the default max_tokens) and max_model_len. Never the weights."""
+prompt's tokens for the default max_tokens) and max_model_len. Never the weights. An HF directory or a
+GGUF file (its metadata: inflight.model_source)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from inflight.model_source import ModelSourceError, find_gguf, gguf_metadata, resolve_model
 from inflight.serving.openai.chat_template import ChatTemplate, ChatTemplateError
 
 
@@ -23,12 +25,27 @@ class Checkpoint:
     tokenizer: Tokenizer | None
 
     @classmethod
+    def resolve(cls, spec: str | Path | None, max_model_len: int | None = None) -> Checkpoint:
+        """`spec` as the model takes it: None = the default model, "demo", or a path."""
+        try:
+            model_dir = resolve_model(spec)
+        except ModelSourceError as e:
+            return cls(Path(str(spec or "")), max_model_len, None, str(e), None)
+        return cls.load(model_dir, max_model_len)
+
+    @classmethod
     def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> Checkpoint:
         """`max_model_len`: the engine's setting, if any; capped by the checkpoint's, as the engine does."""
         model_dir = Path(model_dir)
-        if not model_dir.is_dir():  # e.g. the Triton model's `model` path, on another host
-            error = f"the checkpoint directory {model_dir} is not on this machine: start the API with --model DIR"
+        if not model_dir.exists():  # e.g. the Triton model's `model` path, on another host
+            error = f"the checkpoint {model_dir} is not on this machine: start the API with --model DIR|FILE.gguf"
             return cls(model_dir, max_model_len, None, error, None)
+        try:
+            gguf_file = find_gguf(model_dir)
+            if gguf_file is not None:
+                return cls._load_gguf(gguf_file, max_model_len)
+        except ModelSourceError as e:
+            return cls(model_dir, max_model_len, None, str(e), None)
         try:
             template, error = ChatTemplate.from_checkpoint(model_dir), None
         except ChatTemplateError as e:
@@ -39,6 +56,17 @@ class Checkpoint:
         native = json.loads(config_file.read_text()).get("max_position_embeddings") if config_file.is_file() else None
         limits = [n for n in (max_model_len, native) if n]
         return cls(model_dir, min(limits) if limits else None, template, error, tokenizer)
+
+    @classmethod
+    def _load_gguf(cls, path: Path, max_model_len: int | None) -> Checkpoint:
+        meta = gguf_metadata(path)
+        try:
+            template, error = ChatTemplate.from_gguf(path), None
+        except ChatTemplateError as e:
+            template, error = None, str(e)
+        native = meta.get(f"{meta.architecture}.context_length")
+        limits = [n for n in (max_model_len, native) if n]
+        return cls(path, min(limits) if limits else None, template, error, meta.tokenizer())
 
     def chat_prompt(self, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any) -> str:
         if self.template is None:

@@ -1,0 +1,118 @@
+"""GGUF loading on tiny files written here (gguf.GGUFWriter, as llama.cpp's converter writes them: Q/K rows
+permuted for its RoPE layout, 1-D norms in F32): every supported tensor type against HF transformers on the
+same (de)quantized weights, and the errors that name what is not supported."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers import hf_logits
+from test_loader import TINY, engine_logits
+
+from inflight.config import ConfigError
+from inflight.models.config import ModelConfig
+from inflight.models.loader import load_model, load_tokenizer
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+
+Q = gguf.GGMLQuantizationType
+_NAMES = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}  # fmt: skip
+
+
+def _gguf_name(hf: str) -> str:
+    glob = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    if hf in glob or hf == "lm_head.weight":
+        return glob.get(hf, "output.weight")
+    _, _, layer, rest = hf.split(".", 3)
+    module, _, kind = rest.rpartition(".")
+    return f"blk.{layer}.{_NAMES[module]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_hf_to_gguf LlamaModel.permute
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_hf_model(seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 if p.dim() == 1 else 0.2)
+    return model
+
+
+def write_gguf(path: Path, model, qtype=Q.F32, arch: str = "llama", tokenizer_model: str = "gpt2") -> Path:
+    """Write `model` as llama.cpp would, its 2-D weights in `qtype`; returns the path. Also leaves each 2-D
+    weight of `model` replaced by its dequantized self, so HF runs on exactly what the file holds."""
+    cfg = model.config
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(10000.0)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model(tokenizer_model)
+    w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
+    w.add_token_types([1] * cfg.vocab_size)
+    for name, tensor in model.state_dict().items():
+        data = tensor.float().numpy()
+        if data.ndim == 2:
+            quantized = gguf.quants.quantize(data, qtype)
+            with torch.no_grad():  # row-wise blocks: the same values whatever the row order
+                tensor.copy_(torch.from_numpy(gguf.quants.dequantize(quantized, qtype).reshape(data.shape)))
+            if name.endswith("q_proj.weight"):
+                data = _permute(data, cfg.num_attention_heads)
+            elif name.endswith("k_proj.weight"):
+                data = _permute(data, cfg.num_key_value_heads)
+            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+def test_every_tensor_type_matches_hf_on_the_same_weights(tmp_path, qtype):
+    hf = tiny_hf_model()
+    path = write_gguf(tmp_path / "tiny.gguf", hf, qtype)
+    ids = [1, 7, 42, 99, 3, 250, 17, 64, 5, 8, 120, 33, 2, 77, 150, 9, 11, 260, 31, 4]
+    torch.testing.assert_close(engine_logits(path, ids), hf_logits(hf, ids), atol=2e-4, rtol=1e-4)
+    cfg = ModelConfig.load(tmp_path)  # the directory holding one .gguf
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (4, 2, TINY["vocab_size"])
+    assert not cfg.tie_word_embeddings  # output.weight is in the file
+
+
+def test_unsupported_tensor_type_is_named(tmp_path):
+    path = write_gguf(tmp_path / "q5.gguf", tiny_hf_model(), Q.Q5_0)
+    with pytest.raises(ConfigError, match=r"Q5_0.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+        load_model(path, torch.float32, "cpu")
+
+
+def test_unsupported_architecture_and_tokenizer_are_named(tmp_path):
+    path = write_gguf(tmp_path / "gemma.gguf", tiny_hf_model(), arch="gemma")
+    with pytest.raises(ConfigError, match="architecture 'gemma' is not supported"):
+        load_model(path, torch.float32, "cpu")
+    path = write_gguf(tmp_path / "spm.gguf", tiny_hf_model(), tokenizer_model="llama")
+    with pytest.raises(ConfigError, match="tokenizer.ggml.model='llama' is not supported"):
+        load_tokenizer(path)
+
+
+def test_a_directory_with_two_gguf_files_is_refused(tmp_path):
+    write_gguf(tmp_path / "a.gguf", tiny_hf_model())
+    write_gguf(tmp_path / "b.gguf", tiny_hf_model())
+    with pytest.raises(ConfigError, match="2 .gguf files"):
+        ModelConfig.load(tmp_path)
