@@ -2,8 +2,6 @@
 engine/ (offline engine runs), peers/ (HF and vLLM-CPU on the same trace), serving/ (through tritonserver);
 common/ holds what they share (traces, run metrics, benchmark models, plots, the report)."""
 
-import os
+from inflight import omp
 
-# Spinning OpenMP threads collapse when another process takes a core, and shared machines are the norm
-# here (docs/PERFORMANCE.md); on a machine of your own run with OMP_WAIT_POLICY=ACTIVE. Set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+omp.apply()  # before any benchmark imports torch

@@ -1,6 +1,5 @@
 """Load tests against a running server: the Locust gRPC user and its runner, the hostile-input driver, AIPerf runs."""
 
-import os
+from inflight import omp
 
-# Spinning OpenMP threads collapse when another process takes a core; set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+omp.apply()  # before any load test imports torch

@@ -100,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--tokenizer is needed with --url (the served checkpoint's directory)")
         return run(args, args.url, args.tokenizer)
 
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from inflight.demo_model import cached_demo_model
     from inflight.launcher.server import TritonServer
     from inflight.serving.openai import OpenAIServer

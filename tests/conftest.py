@@ -1,7 +1,8 @@
 import os
 
-# Before torch loads: spinning OpenMP threads collapse when the test server and the tests share 2 cores.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from inflight import omp
+
+omp.apply()  # before torch loads
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -21,8 +21,6 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import torch  # noqa: E402
 
 from benchmarks.common.models import resolve_model  # noqa: E402

@@ -240,7 +240,6 @@ def wait_listening(url: str, proc: subprocess.Popen, timeout_s: float = 60) -> N
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from inflight.demo_model import cached_demo_model
     from inflight.launcher.server import TritonServer, free_port
 

@@ -7,7 +7,6 @@ Write-then-read: each layer first scatters the step's new K/V into the paged cac
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -15,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from inflight import omp
 from inflight.executor.attention import AttentionMetadata, get_backend
 from inflight.executor.cpu_forward import CpuForward
 from inflight.executor.cuda_graphs import CudaGraphRunner
@@ -119,7 +119,7 @@ class ModelRunner:
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, self.ops, max_decode, max_blocks, device)
             self.cuda_graphs.capture_all()
         self.max_threads = torch.get_num_threads()
-        passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+        passive = omp.threads_sleep()
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
         packed = sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, PackedLinear))
         layer_weights = packed + sum(p.numel() for p in layer.parameters())

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inflight import omp
+
 # The wheel's tritonserver (2.51) has a Python-backend stub built with pybind11 2.10, which reads
 # numpy's dtype struct with the numpy-1 layout: under numpy 2 every STRING tensor arrives garbled and
 # the stub dies (fixed by python_backend PR #384, Oct 2024, after 24.10). Its stub therefore runs in an overlay
@@ -156,11 +158,7 @@ def _run(cmd: list[str], what: str) -> None:
 
 
 def server_env(dist: ServerDist, base: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ if base is None else base)
-    # OpenMP threads spinning at barriers collapse (10-60x, measured) when Triton's own threads or another
-    # process take a core. PASSIVE costs 1.5-2x per decode step on an otherwise idle machine (a wake-up
-    # after every op): set OMP_WAIT_POLICY=ACTIVE or GOMP_SPINCOUNT in the environment to choose otherwise.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env = omp.environment(dict(os.environ if base is None else base))
     env["PATH"] = os.pathsep.join([str(stub_python_bin(dist)), env.get("PATH", "")])
     libs = [str(d) for d in dist.lib_dirs]
     # The stub links libpython3.X.so; prefer the one of this interpreter over whatever the system has.
