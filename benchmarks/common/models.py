@@ -1,6 +1,6 @@
 """Benchmark checkpoints: the demo model, a ~50M-parameter random Llama like the peers' figures used
 (16 layers: the layers dominate), and one of similar size with a 32k vocabulary and 4 layers (the
-embedding and lm_head dominate).
+embedding and lm_head dominate); and SmolLM2-135M-Instruct, the default served model, converted from its GGUF.
 
 All are HF-format directories (config.json, model.safetensors, tokenizer.json) that inflight, HF
 transformers and vLLM load unchanged, written deterministically and cached under `.cache/models/`.
@@ -50,12 +50,44 @@ def write_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     return write_llama(out_dir, MODELS[name], seed)
 
 
+def write_smollm2(out_dir: str | Path) -> Path:
+    """SmolLM2-135M-Instruct as an HF directory: the default model's GGUF dequantized (float32 safetensors),
+    its config, tokenizer and chat template, so that a peer (vLLM-CPU, HF) loads the very same weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    from inflight.model_source import default_model_path, gguf_metadata
+    from inflight.models.gguf_loader import read_tensors
+
+    gguf = default_model_path()
+    meta = gguf_metadata(gguf)
+    config = meta.hf_config() | {"torch_dtype": "float32", "model_type": "llama"}
+    tensors = read_tensors(gguf, config["num_attention_heads"], config["num_key_value_heads"], torch.float32, "cpu")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    meta.tokenizer().save(str(out / "tokenizer.json"))
+    special = meta.special_tokens()
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": meta.chat_template()}
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | special, indent=1))
+    (out / "config.json").write_text(json.dumps(config, indent=1))  # last: its presence marks a complete copy
+    return out
+
+
+# Real checkpoints, converted once into the cache (the random ones above are written from their shapes).
+REAL_MODELS = {"smollm2": write_smollm2}
+
+
 def resolve_model(name_or_dir: str, cache_dir: Path = CACHE_DIR) -> Path:
     """A named benchmark model (written once into the cache) or an existing checkpoint directory."""
+    if name_or_dir in REAL_MODELS:
+        path = cache_dir / name_or_dir
+        return path if (path / "config.json").is_file() else REAL_MODELS[name_or_dir](path)
     if name_or_dir not in MODELS:
         path = Path(name_or_dir)
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json) nor one of {list(MODELS)}")
+            known = [*MODELS, *REAL_MODELS]
+            raise FileNotFoundError(f"{path}: not a checkpoint directory (no config.json) nor one of {known}")
         return path
     path = cache_dir / name_or_dir
     return path if (path / "config.json").is_file() else write_model(name_or_dir, path)

@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--model",
         nargs="+",
         default=None,
-        help="demo | llama50m | llama32k | a checkpoint directory (default demo; with --peers: llama50m llama32k, "
-        "and several may be given)",
+        help="demo | llama50m | llama32k | llama1b | smollm2 | a checkpoint directory (default demo; with --peers: "
+        "llama50m llama32k, and several may be given)",
     )
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
