@@ -64,6 +64,10 @@ class TritonMetrics:
         self.kv_capacity = make(
             "inflight_kv_cache_capacity_tokens", "Tokens the paged KV cache holds (num_kv_blocks x block_size)", gauge
         )
+        self.core_pid = make("inflight_engine_core_pid", "Process id of the running engine core process", gauge)
+        self.core_starts = make(
+            "inflight_engine_core_starts_total", "Engine core processes started (1 + restarts after a death)", counter
+        )
         self.vllm_prefix_cache_queries = make(
             "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens", counter
         )
@@ -114,6 +118,12 @@ class TritonMetrics:
         }
         self._max_spread = 0.0
         self._steps_seen = -1
+
+    def core_started(self, ready) -> None:
+        """A core process (wire.Ready) started: its pid and capacity."""
+        self.core_pid.set(ready.pid)
+        self.core_starts.increment(1)
+        self.kv_capacity.set(ready.num_kv_blocks * ready.block_size)
 
     def update(self, snap: EngineSnapshot) -> None:
         """Refresh from one snapshot of the engine."""
