@@ -21,6 +21,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+
 import msgspec
 import zmq
 

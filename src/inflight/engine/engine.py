@@ -420,6 +420,5 @@ def check_params(cfg: EngineConfig, params: SamplingParams) -> None:
         )
     if len(params.stop_token_ids) > cfg.max_stop_strings:
         raise InvalidRequestError(
-            f"stop_token_ids has {len(params.stop_token_ids)} ids: the limit is "
-            f"max_stop_strings={cfg.max_stop_strings}"
+            f"stop_token_ids has {len(params.stop_token_ids)} ids: the limit is max_stop_strings={cfg.max_stop_strings}"
         )
