@@ -82,6 +82,7 @@ class EngineCore:
         self.broken: str | None = None
         self.step_log = open(spec.step_log, "a", buffering=1) if spec.step_log else None  # noqa: SIM115
         self.next_snapshot = 0.0
+        self.max_spread = 0.0  # snapshots skip steps: the largest arrival spread is kept here
         self.snapshot_sent = False  # the engine's latest state has gone out
         engine = self.engine
         self.send(
@@ -154,8 +155,11 @@ class EngineCore:
         except Exception as e:
             return self.recover(e)
         self.snapshot_sent = False
-        if self.step_log is not None and self.engine.counters.get("steps") != steps_before:
-            self.log_step()
+        stats = self.engine.last_step_stats
+        if stats is not None and self.engine.counters.get("steps") != steps_before:
+            self.max_spread = max(self.max_spread, stats.arrival_spread_s)
+            if self.step_log is not None:
+                self.log_step()
         sent = []
         for out in outputs:
             if out.request_id not in self.active:  # the echo of an abort the front asked for
@@ -192,7 +196,7 @@ class EngineCore:
         idle = not self.engine.has_unfinished_requests()
         snapshot = None
         if not self.snapshot_sent and (now >= self.next_snapshot or idle):
-            snapshot = self.engine.snapshot()
+            snapshot = dataclasses.replace(self.engine.snapshot(), max_arrival_spread_s=self.max_spread)
             self.next_snapshot = now + SNAPSHOT_INTERVAL_S
             self.snapshot_sent = True
         if outputs or snapshot is not None:

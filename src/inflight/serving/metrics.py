@@ -154,9 +154,10 @@ class TritonMetrics:
         if stats is not None and snap.steps != self._steps_seen:
             self._steps_seen = snap.steps
             self.arrival_spread.set(stats.arrival_spread_s)
-            if stats.arrival_spread_s > self._max_spread:
-                self._max_spread = stats.arrival_spread_s
-                self.max_arrival_spread.set(self._max_spread)
+        largest = max(snap.max_arrival_spread_s, stats.arrival_spread_s if stats is not None else 0.0)
+        if largest > self._max_spread:
+            self._max_spread = largest
+            self.max_arrival_spread.set(self._max_spread)
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
         if ttft_s is not None:
