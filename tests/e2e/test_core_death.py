@@ -93,3 +93,26 @@ def test_killing_the_core_fails_every_stream_at_once_then_serves_again(core_serv
     assert metric(samples, "inflight_kv_blocks", state="used") == 0
     assert metric(samples, "inflight_kv_blocks", state="free") == ENGINE_ARGS["num_kv_blocks"]
     assert metric(samples, "inflight_requests", state="running") == 0
+
+
+def test_the_core_exits_when_the_stub_dies(demo_model_dir, tmp_path):
+    srv = TritonServer(
+        parameters=dict(ENGINE_ARGS, model=demo_model_dir),
+        http_port=0,
+        grpc_port=0,
+        metrics_port=0,
+        log=tmp_path / "server.log",
+    )
+    srv.start()
+    try:
+        srv.wait_ready(timeout_s=240)
+        core = wait_for(lambda: _core_pid(srv))
+        with open(f"/proc/{core}/stat") as f:
+            stub = int(f.read().split(")")[-1].split()[1])  # the core's parent: Triton's backend stub
+        client = LLMClient(srv.grpc_url, timeout_s=60)
+        stream = client.stream("Hello", {"max_tokens": 480, "ignore_eos": True})
+        next(stream)  # the core is busy when its front dies
+        os.kill(stub, signal.SIGKILL)
+        assert wait_for(lambda: not _alive(core), timeout_s=10), "the engine core outlived Triton's stub"
+    finally:
+        srv.stop()

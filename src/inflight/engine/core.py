@@ -6,7 +6,9 @@ message with every request's outputs of that step (and the engine snapshot at mo
 SNAPSHOT_INTERVAL_S, and once more when the engine goes idle). Detokenization and stop strings stay in
 the engine (moving them to the front is vLLM's next step, not taken yet). A step that fails fails the
 requests in flight; an engine that cannot recover says `Broken` and answers every later request with
-an error. The core exits when its parent (Triton's stub) goes away.
+an error. The core exits when its parent (Triton's stub) goes away: it checks its parent pid every iteration and
+while it waits (PR_SET_PDEATHSIG would fire when the *thread* that started it ends, and a restart starts
+it from the responder thread).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def run_core(spec: CoreSpec, input_addr: str, output_addr: str, parent_pid: int)
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(input_addr)
     outbox = ctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDTIMEO, IDLE_POLL_MS)
     outbox.bind(output_addr)
     try:
         core = EngineCore(spec, inbox, outbox, parent_pid)
@@ -100,10 +103,22 @@ class EngineCore:
         self.publish([])  # the new engine's state, before any work
 
     def send(self, message) -> None:
-        self.outbox.send(self.encoder.encode(message), copy=False)
+        data = self.encoder.encode(message)
+        while True:  # a bound PUSH with no peer blocks: never wait on a front that is gone
+            try:
+                self.outbox.send(data, copy=False)
+                return
+            except zmq.Again:
+                self.exit_if_orphaned()
+
+    def exit_if_orphaned(self) -> None:
+        if os.getppid() != self.parent_pid:  # the stub died (we were re-parented): nobody to serve
+            log.error("the front (pid %d) is gone; the engine core exits", self.parent_pid)
+            os._exit(0)
 
     def run(self) -> None:
         while True:
+            self.exit_if_orphaned()
             busy = self.broken is None and self.engine.has_unfinished_requests()
             outputs = self.take_inputs(block=not busy)
             if self.broken is None and self.engine.has_unfinished_requests():
@@ -114,9 +129,7 @@ class EngineCore:
         """Everything the front sent so far; when idle, wait for the first message (checking on the parent)."""
         answers: list[wire.Output] = []
         while block and not self.inbox.poll(IDLE_POLL_MS):
-            if os.getppid() != self.parent_pid:  # the stub died (we were re-parented): nobody to serve
-                log.error("the front (pid %d) is gone; the engine core exits", self.parent_pid)
-                os._exit(0)
+            self.exit_if_orphaned()
         while True:
             try:
                 frame = self.inbox.recv(zmq.NOBLOCK, copy=False)
