@@ -319,6 +319,8 @@ class EngineLoop:
             if isinstance(message, wire.StepOutputs):
                 if message.snapshot is not None:
                     self._snapshot = self._rebase(message.snapshot)
+                    if _idle(self._snapshot) != _idle(self._published):  # work began or ended: publish now
+                        self._publish()
                 for out in message.outputs:
                     route = self._active.get(out.request_id)
                     if route is None:  # cancelled or failed earlier
@@ -405,6 +407,10 @@ class EngineLoop:
         if self._on_iteration is not None and snap is not None and snap is not self._published:
             self._published = snap
             _safe(self._on_iteration, snap)
+
+
+def _idle(snap: EngineSnapshot | None) -> bool:
+    return snap is None or (snap.num_running == 0 and snap.num_waiting == 0)
 
 
 def _safe(fn: Callable, *args) -> None:
