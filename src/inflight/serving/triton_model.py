@@ -207,12 +207,12 @@ class TritonPythonModel:
         self._ids = itertools.count()
         info = self.loop.info
         log.info(
-            "engine ready in process %d: dtype=%s, max_model_len=%d, %d KV blocks of %d tokens",
-            info.pid,
+            "engine ready: dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (engine core process %d)",
             info.dtype,
             info.max_model_len,
             info.num_kv_blocks,
             info.block_size,
+            info.pid,
         )
 
     def execute(self, requests: list) -> None:
