@@ -6,6 +6,7 @@ import shutil
 import textwrap
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 from e2e_util import ENGINE_ARGS, wait_for
@@ -13,26 +14,19 @@ from inflight_client import InferenceError, LLMClient
 
 from inflight.launcher.server import LauncherError, TritonServer, default_model_repository, free_port
 
-# The real model with one fault: once a request asks for max_tokens=13, every engine step raises (the
-# device is "lost"), so the loop's recovery fails too.
+# The real model with one fault in the engine its core process builds: once a request asks for
+# max_tokens=13, every engine step raises (the device is "lost"), so the core's recovery fails too.
 BREAKABLE_MODEL = textwrap.dedent(
-    """
+    f"""
+    import sys
+
+    sys.path.insert(0, {str(Path(__file__).parent)!r})  # the core process is spawned with this path too
+
     from inflight.serving.triton_model import TritonPythonModel as _Real
 
 
     class TritonPythonModel(_Real):
-        def initialize(self, args):
-            super().initialize(args)
-            engine, real_step = self.engine, self.engine.step
-            broken = []
-
-            def step():
-                if broken or any(s.sampling_params.max_tokens == 13 for s in engine._seqs.values()):
-                    broken.append(True)
-                    raise RuntimeError("device lost")
-                return real_step()
-
-            engine.step = step
+        engine_class = "faulty_engines:BreakableEngine"
     """
 )
 

@@ -1,29 +1,22 @@
-"""The engine thread on its own (no Triton): failures, cancellation and shutdown never leave a request hanging."""
+"""The front's engine loop on its own (no Triton) over a real engine core process: failures, cancellation,
+shutdown and the core's death never leave a request hanging."""
 
 from __future__ import annotations
 
-import queue
+import os
+import signal
 import threading
 import time
 
 import pytest
+from faulty_engines import BREAK_MAX_TOKENS, FAIL_ONCE_MAX_TOKENS
 
 from inflight.config import EngineConfig
-from inflight.engine.engine import LLMEngine
+from inflight.engine.core import CoreSpec
 from inflight.sampling_params import SamplingParams
 from inflight.serving.engine_loop import EngineLoop, ErrorKind, Submission
 
-
-class FlakyEngine(LLMEngine):
-    """The real engine with one injected fault: the next step() raises when `fail_next` is set."""
-
-    fail_next = False
-
-    def step(self):
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("injected fault")
-        return super().step()
+CONFIG = EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256)
 
 
 class Recorder:
@@ -52,14 +45,13 @@ class Recorder:
         return "".join(o.new_text for o in self.outputs)
 
 
-@pytest.fixture()
-def engine(demo_model_dir):
-    return FlakyEngine(demo_model_dir, EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256))
+def spec(model_dir: str, engine: str = "faulty_engines:FlakyEngine") -> CoreSpec:
+    return CoreSpec(model_dir, CONFIG, engine)
 
 
-@pytest.fixture()
-def loop(engine):
-    loop = EngineLoop(engine).start()
+@pytest.fixture(scope="module")
+def loop(demo_model_dir):
+    loop = EngineLoop(spec(demo_model_dir), metrics_interval_s=0.05).start()
     yield loop
     assert loop.stop(timeout_s=10)
 
@@ -71,22 +63,30 @@ def submit(loop, prompt: str = "Hello world", max_tokens: int = 8, **params) -> 
     return rec
 
 
+def blocks_used(loop) -> int | None:
+    snap = loop.snapshot
+    return None if snap is None else snap.num_kv_blocks_used
+
+
+def kv_freed(loop) -> bool:
+    return _wait(lambda: blocks_used(loop) == 0 and loop.snapshot.num_running == 0)
+
+
 def test_requests_complete(loop):
     recs = [submit(loop, p) for p in ("Hello world", "The model runs fast", "Why")]
     for rec in recs:
         assert rec.done.wait(30) and rec.error is None
         assert rec.outputs[-1].finished and rec.text
+    assert recs[0].outputs[-1].prompt_token_ids == loop.tokenize("Hello world")
 
 
-def test_engine_failure_fails_every_in_flight_request_and_recovers(loop, engine):
-    recs = [submit(loop, max_tokens=200, ignore_eos=True) for _ in range(3)]
-    assert all(r.started.wait(30) for r in recs)
-    engine.fail_next = True
+def test_engine_failure_fails_every_in_flight_request_and_recovers(loop):
+    recs = [submit(loop, max_tokens=FAIL_ONCE_MAX_TOKENS, ignore_eos=True) for _ in range(3)]
     for rec in recs:
         assert rec.done.wait(30)
         assert rec.error is not None and rec.error[0] is ErrorKind.INTERNAL
         assert "injected fault" in rec.error[1]
-    assert engine.block_manager.num_used_blocks == 0
+    assert kv_freed(loop)
     after = submit(loop)
     assert after.done.wait(30) and after.error is None and after.text
 
@@ -97,29 +97,29 @@ def test_invalid_request_from_the_engine_is_reported(loop):
     assert rec.error is not None and rec.error[0] is ErrorKind.INVALID and "max_model_len" in rec.error[1]
 
 
-def test_cancel_frees_blocks_and_answers_cancelled(loop, engine):
+def test_invalid_prompt_is_reported_by_the_front(loop):
+    rec = submit(loop, prompt="")
+    assert rec.done.is_set() and rec.error == (ErrorKind.INVALID, "prompt is empty: give at least one character")
+
+
+def test_cancel_frees_blocks_and_answers_cancelled(loop):
     rec = submit(loop, max_tokens=200, ignore_eos=True)
     assert rec.started.wait(30)
     rec.cancelled = True
     assert rec.done.wait(30)
     assert rec.error is not None and rec.error[0] is ErrorKind.CANCELLED
     assert len(rec.outputs) < 200
-    deadline = time.monotonic() + 10
-    while engine.block_manager.num_used_blocks and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.block_manager.num_used_blocks == 0
+    assert kv_freed(loop)
 
 
-def test_stop_fails_in_flight_and_later_requests_promptly(engine):
-    loop = EngineLoop(engine).start()
+def test_cancellation_is_seen_within_the_interval(loop):
     rec = submit(loop, max_tokens=200, ignore_eos=True)
     assert rec.started.wait(30)
-    started = time.monotonic()
-    assert loop.stop(timeout_s=10)
-    assert time.monotonic() - started < 5
-    assert rec.done.is_set() and rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
-    late = submit(loop)
-    assert late.done.is_set() and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
+    rec.cancelled = True
+    cancelled_at = time.monotonic()
+    assert rec.done.wait(10) and rec.error[0] is ErrorKind.CANCELLED
+    assert time.monotonic() - cancelled_at < 1.0
+    assert kv_freed(loop)
 
 
 class FailingFinalSend(Recorder):
@@ -131,100 +131,12 @@ class FailingFinalSend(Recorder):
         super().on_output(output)
 
 
-def test_a_failed_final_send_still_answers_the_request(loop, engine):
+def test_a_failed_final_send_still_answers_the_request(loop):
     rec = FailingFinalSend()
     loop.submit(Submission("final-fails", "Hello world", SamplingParams(temperature=0, max_tokens=4), rec))
     assert rec.done.wait(30), "the request was left hanging"
     assert rec.error is not None and rec.error[0] is ErrorKind.INTERNAL and "send failed" in rec.error[1]
-    assert engine.block_manager.num_used_blocks == 0
-
-
-class _PutAfterTheLoopEnded(queue.Queue):
-    """An inbox whose put() is delayed until the engine thread has ended: submit() checked 'not stopping',
-    then lost the CPU while stop() ran to completion (the check-then-put race, made deterministic)."""
-
-    def __init__(self, loop_thread: threading.Thread) -> None:
-        super().__init__()
-        self.loop_thread = loop_thread
-        self.delay = False
-
-    def put(self, item, block=True, timeout=None):
-        if self.delay and isinstance(item, Submission):
-            self.loop_thread.join(10)
-        super().put(item, block, timeout)
-
-
-def test_submit_racing_stop_is_still_answered(engine):
-    loop = EngineLoop(engine)
-    inbox = _PutAfterTheLoopEnded(loop._thread)
-    loop._inbox = inbox
-    loop.start()
-    inbox.delay = True
-    rec = Recorder()
-    submitter = threading.Thread(
-        target=loop.submit, args=(Submission("racer", "Hi", SamplingParams(max_tokens=2), rec),)
-    )
-    submitter.start()  # passes the 'stopping?' check, then waits in put() for the loop to end
-    time.sleep(0.2)
-    assert loop.stop(timeout_s=10)
-    submitter.join(20)
-    assert rec.done.wait(5), "a request submitted while the loop stopped was never answered"
-    assert rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
-
-
-def test_a_broken_engine_is_reported_once(demo_model_dir):
-    class Unrecoverable(FlakyEngine):
-        steps = 0
-
-        def step(self):
-            Unrecoverable.steps += 1
-            raise RuntimeError("device lost")
-
-    engine = Unrecoverable(demo_model_dir, EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256))
-    reasons = []
-    loop = EngineLoop(engine, on_broken=reasons.append).start()
-    try:
-        rec = submit(loop)
-        assert rec.done.wait(30) and rec.error is not None and rec.error[0] is ErrorKind.INTERNAL
-        assert _wait(lambda: reasons), "on_broken was never called"
-        late = submit(loop)
-        assert late.done.wait(10) and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
-        assert len(reasons) == 1 and "device lost" in reasons[0]
-        steps = Unrecoverable.steps
-        time.sleep(0.3)
-        assert Unrecoverable.steps == steps, "a broken engine keeps being stepped (the loop spins)"
-    finally:
-        loop.stop(timeout_s=10)
-
-
-def test_a_bug_while_delivering_fails_those_requests_and_the_responder_lives_on(engine, monkeypatch):
-    send = EngineLoop._send
-    calls = []
-
-    def send_that_breaks_once(self, route, out):
-        calls.append(out)
-        if len(calls) == 1:
-            raise RuntimeError("injected responder bug")
-        send(self, route, out)
-
-    monkeypatch.setattr(EngineLoop, "_send", send_that_breaks_once)
-    loop = EngineLoop(engine).start()
-    try:
-        first = submit(loop)
-        assert first.done.wait(30) and first.error is not None and first.error[0] is ErrorKind.INTERNAL
-        second = submit(loop)
-        assert second.done.wait(30) and second.error is None and second.text
-    finally:
-        assert loop.stop(timeout_s=10)
-
-
-def _wait(condition, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
+    assert kv_freed(loop)
 
 
 class SlowClient(Recorder):
@@ -245,23 +157,26 @@ def test_outputs_that_queue_up_are_merged_and_lose_nothing(loop):
     assert slow.outputs[-1].finished and slow.outputs[-1].finish_reason == "length"
 
 
-def test_cancellation_is_seen_within_the_interval(engine):
-    loop = EngineLoop(engine, cancel_interval_s=0.05).start()
-    try:
-        rec = submit(loop, max_tokens=200, ignore_eos=True)
-        assert rec.started.wait(30)
-        rec.cancelled = True
-        cancelled_at = time.monotonic()
-        assert rec.done.wait(10) and rec.error[0] is ErrorKind.CANCELLED
-        assert time.monotonic() - cancelled_at < 1.0
-        assert _wait(lambda: engine.block_manager.num_used_blocks == 0)
-    finally:
-        assert loop.stop(timeout_s=10)
+def test_a_bug_while_delivering_fails_those_requests_and_the_responder_lives_on(loop, monkeypatch):
+    send = EngineLoop._send
+    calls = []
+
+    def send_that_breaks_once(self, route, out):
+        calls.append(out)
+        if len(calls) == 1:
+            raise RuntimeError("injected responder bug")
+        send(self, route, out)
+
+    monkeypatch.setattr(EngineLoop, "_send", send_that_breaks_once)
+    first = submit(loop)
+    assert first.done.wait(30) and first.error is not None and first.error[0] is ErrorKind.INTERNAL
+    second = submit(loop)
+    assert second.done.wait(30) and second.error is None and second.text
 
 
-def test_metrics_are_published_from_snapshots_at_an_interval(engine):
+def test_metrics_are_published_from_snapshots_at_an_interval(demo_model_dir):
     snaps = []
-    loop = EngineLoop(engine, on_iteration=snaps.append, metrics_interval_s=0.2).start()
+    loop = EngineLoop(spec(demo_model_dir), on_iteration=snaps.append, metrics_interval_s=0.2).start()
     try:
         rec = submit(loop, max_tokens=30, ignore_eos=True)
         assert rec.done.wait(30)
@@ -269,4 +184,114 @@ def test_metrics_are_published_from_snapshots_at_an_interval(engine):
     finally:
         assert loop.stop(timeout_s=10)
     assert snaps and snaps[-1].generation_tokens == 30 and snaps[-1].num_running == 0
-    assert len(snaps) < engine.counters["steps"]  # not one publication per step
+    assert len(snaps) < snaps[-1].steps  # not one publication per step
+
+
+def test_stop_fails_in_flight_and_later_requests_promptly(demo_model_dir):
+    loop = EngineLoop(spec(demo_model_dir)).start()
+    pid = loop.core_pid
+    rec = submit(loop, max_tokens=200, ignore_eos=True)
+    assert rec.started.wait(30)
+    started = time.monotonic()
+    assert loop.stop(timeout_s=10)
+    assert time.monotonic() - started < 5
+    assert rec.done.is_set() and rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
+    late = submit(loop)
+    assert late.done.is_set() and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
+    assert not _alive(pid), "the engine core process outlived stop()"
+
+
+def test_submits_racing_stop_are_all_answered(demo_model_dir):
+    loop = EngineLoop(spec(demo_model_dir)).start()
+    recs: list[Recorder] = []
+
+    def submitter():
+        for _ in range(200):
+            recs.append(submit(loop, max_tokens=2))
+
+    thread = threading.Thread(target=submitter)
+    thread.start()
+    time.sleep(0.05)
+    assert loop.stop(timeout_s=10)
+    thread.join(20)
+    assert all(r.done.wait(5) for r in recs), "a request submitted while the loop stopped was never answered"
+
+
+def test_a_broken_engine_is_reported_once_and_not_spun(demo_model_dir):
+    reasons = []
+    loop = EngineLoop(spec(demo_model_dir, "faulty_engines:BreakableEngine"), on_broken=reasons.append).start()
+    try:
+        rec = submit(loop, max_tokens=BREAK_MAX_TOKENS)
+        assert rec.done.wait(30) and rec.error is not None and rec.error[0] is ErrorKind.INTERNAL
+        assert _wait(lambda: reasons), "on_broken was never called"
+        late = submit(loop)
+        assert late.done.wait(10) and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
+        assert len(reasons) == 1 and "device lost" in reasons[0]
+        before = _cpu_seconds(loop.core_pid)
+        time.sleep(0.5)
+        assert _cpu_seconds(loop.core_pid) - before < 0.2, "a broken engine keeps being stepped (the core spins)"
+    finally:
+        loop.stop(timeout_s=10)
+
+
+def test_core_death_fails_in_flight_requests_at_once_and_the_core_restarts(demo_model_dir):
+    starts = []
+    loop = EngineLoop(spec(demo_model_dir), on_core_start=starts.append, restart_backoff_s=0.1).start()
+    try:
+        first_pid = loop.core_pid
+        recs = [submit(loop, max_tokens=200, ignore_eos=True) for _ in range(3)]
+        assert all(r.started.wait(30) for r in recs)
+        os.kill(first_pid, signal.SIGKILL)
+        killed = time.monotonic()
+        assert all(r.done.wait(2) for r in recs), "a request hung after the core died"
+        assert time.monotonic() - killed < 1.0
+        for rec in recs:
+            assert rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
+            assert "the engine process died (was killed by signal SIGKILL); restarting" in rec.error[1]
+        during = submit(loop)
+        if loop.core_pid == first_pid:  # still restarting: refused at once
+            assert during.done.is_set() and during.error[0] is ErrorKind.UNAVAILABLE
+        assert _wait(lambda: loop.core_pid != first_pid, timeout_s=120), "the core was not restarted"
+        assert not _alive(first_pid)
+        after = submit(loop)
+        assert after.done.wait(30) and after.error is None and after.text
+        assert len(starts) == 2 and loop.snapshot.generation_tokens >= 3
+        assert kv_freed(loop)
+    finally:
+        assert loop.stop(timeout_s=10)
+
+
+def test_a_core_that_keeps_dying_makes_the_loop_broken(demo_model_dir):
+    reasons = []
+    loop = EngineLoop(spec(demo_model_dir), on_broken=reasons.append, max_restarts=0).start()
+    try:
+        os.kill(loop.core_pid, signal.SIGKILL)
+        assert _wait(lambda: reasons), "on_broken was never called"
+        assert "died 1 times" in reasons[0]
+        late = submit(loop)
+        assert late.done.is_set() and late.error[0] is ErrorKind.UNAVAILABLE
+    finally:
+        loop.stop(timeout_s=10)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().split(")")[-1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _wait(condition, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

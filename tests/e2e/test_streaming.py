@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from e2e_util import http_generate, metric, scrape, settled
+from e2e_util import http_generate, metric, scrape, settled, wait_for
 from helpers import PROMPTS
 
 from inflight import SamplingParams
@@ -66,7 +66,9 @@ def test_late_requests_join_the_running_batch(client, server, step_log):
     steps = [s for s in steps if s["wall_time"] >= since]
     mixed = [s for s in steps if s["num_scheduled_seqs"] >= 2 and s["arrival_spread_s"] >= 0.5 * (t_b - t_a)]
     assert mixed, "no step ran requests that arrived at different times"
-    assert metric(scrape(server.metrics_url), "inflight_batch_arrival_spread_max_seconds") > 0
+    # Metrics are published at an interval: the step that mixed them may not be in the latest scrape yet.
+    spread = wait_for(lambda: metric(scrape(server.metrics_url), "inflight_batch_arrival_spread_max_seconds") > 0)
+    assert spread, "the largest arrival spread never reached the metrics"
 
 
 def test_priority_input_is_accepted(client, offline_greedy):

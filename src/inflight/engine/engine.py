@@ -138,38 +138,12 @@ class LLMEngine:
 
     def tokenize(self, prompt: str) -> list[int]:
         """Prompt text -> token ids, bounded by max_prompt_bytes. Thread-safe (it reads only the
-        tokenizer and the config): servers call it off the engine thread and submit the ids."""
-        if not prompt:
-            raise InvalidRequestError("prompt is empty: give at least one character")
-        limit = self.max_prompt_bytes
-        if len(prompt) * 4 > limit and len(prompt.encode("utf-8")) > limit:
-            raise InvalidRequestError(
-                f"prompt is {len(prompt.encode('utf-8'))} bytes: the limit is max_prompt_bytes={limit} "
-                f"(16 bytes per token of max_model_len={self.max_model_len} unless set)"
-            )
-        return self.tokenizer.encode(prompt).ids
+        tokenizer and the config)."""
+        return tokenize_prompt(self.tokenizer, prompt, self.max_prompt_bytes, self.max_model_len)
 
     def check_params(self, params: SamplingParams) -> None:
         """The engine's bounds on one request's parameters. Thread-safe."""
-        cfg = self.config
-        if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
-            raise InvalidRequestError(
-                f"logprobs={params.logprobs} is too large: the limit is max_logprobs={cfg.max_logprobs}"
-            )
-        if len(params.stop) > cfg.max_stop_strings:
-            raise InvalidRequestError(
-                f"stop has {len(params.stop)} strings: the limit is max_stop_strings={cfg.max_stop_strings}"
-            )
-        longest = max((len(s) for s in params.stop), default=0)
-        if longest > cfg.max_stop_str_len:
-            raise InvalidRequestError(
-                f"stop has a string of {longest} characters: the limit is max_stop_str_len={cfg.max_stop_str_len}"
-            )
-        if len(params.stop_token_ids) > cfg.max_stop_strings:
-            raise InvalidRequestError(
-                f"stop_token_ids has {len(params.stop_token_ids)} ids: the limit is "
-                f"max_stop_strings={cfg.max_stop_strings}"
-            )
+        check_params(self.config, params)
 
     def _check_token_ids(self, prompt: list[int]) -> list[int]:
         if not prompt:
@@ -425,4 +399,38 @@ class LLMEngine:
             step_time_s=time.perf_counter() - t0,
             forward_time_s=forward_time,
             max_num_seqs=self.config.max_num_seqs,
+        )
+
+
+def tokenize_prompt(tokenizer, prompt: str, max_prompt_bytes: int, max_model_len: int) -> list[int]:
+    """Prompt text -> token ids, bounded by max_prompt_bytes (the front of a server calls it too)."""
+    if not prompt:
+        raise InvalidRequestError("prompt is empty: give at least one character")
+    limit = max_prompt_bytes
+    if len(prompt) * 4 > limit and len(prompt.encode("utf-8")) > limit:
+        raise InvalidRequestError(
+            f"prompt is {len(prompt.encode('utf-8'))} bytes: the limit is max_prompt_bytes={limit} "
+            f"(16 bytes per token of max_model_len={max_model_len} unless set)"
+        )
+    return tokenizer.encode(prompt).ids
+
+
+def check_params(cfg: EngineConfig, params: SamplingParams) -> None:
+    """The engine's bounds on one request's parameters (the front of a server calls it too)."""
+    if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
+        raise InvalidRequestError(
+            f"logprobs={params.logprobs} is too large: the limit is max_logprobs={cfg.max_logprobs}"
+        )
+    if len(params.stop) > cfg.max_stop_strings:
+        raise InvalidRequestError(
+            f"stop has {len(params.stop)} strings: the limit is max_stop_strings={cfg.max_stop_strings}"
+        )
+    longest = max((len(s) for s in params.stop), default=0)
+    if longest > cfg.max_stop_str_len:
+        raise InvalidRequestError(
+            f"stop has a string of {longest} characters: the limit is max_stop_str_len={cfg.max_stop_str_len}"
+        )
+    if len(params.stop_token_ids) > cfg.max_stop_strings:
+        raise InvalidRequestError(
+            f"stop_token_ids has {len(params.stop_token_ids)} ids: the limit is max_stop_strings={cfg.max_stop_strings}"
         )

@@ -48,3 +48,4 @@ class EngineSnapshot:
     num_kv_blocks_cached: int = 0  # a subset of num_kv_blocks_free: reusable prefixes, evictable
     prefix_cache_queries: int = 0  # cumulative, prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # cumulative, of those, tokens served from the cache
+    max_arrival_spread_s: float = 0.0  # the largest arrival spread of any step so far (set by the core)

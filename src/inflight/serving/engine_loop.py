@@ -1,33 +1,38 @@
-"""Two threads around the engine: one computes, one talks to the clients.
+"""The front of the engine: requests go to the engine core process, its step messages come back to clients.
 
-The engine thread owns the engine. It takes work from a thread-safe inbox between steps (so new requests
-join the running batch at the next step) and does little else but step. Everything that is I/O happens
-on the responder thread: it turns outputs into responses (merging a request's outputs that queued up
-while it was busy, vLLM's stream_interval idea applied only under load: when idle it sends each one at
-once), polls cancellation every `cancel_interval_s` and hands cancelled ids back to the engine thread
-(which frees their blocks as soon as it sees them), and publishes metrics from the engine's latest
-snapshot at most every `metrics_interval_s`. Every call into a `Client` comes from the responder, so
-a client is never entered by two threads. It knows nothing of Triton: `triton_model.py` supplies
-Clients that talk to a Triton response sender.
+The engine runs in its own process (`inflight.engine.core`, started through `CoreClient`); this process
+holds no engine. `submit()` (any thread) registers a request's client and sends it to the core. One
+responder thread does all the talking: it takes the core's step messages, turns outputs into responses
+(merging a request's outputs that queued up while it was busy, vLLM's stream_interval idea applied only
+under load), polls cancellation every `cancel_interval_s` and tells the core to abort (which frees the
+blocks as soon as it sees it), and publishes metrics from the core's latest snapshot at most every
+`metrics_interval_s`. Every call into a `Client` comes from the responder, so a client is never entered
+by two threads.
+
+If the core process dies, every request in flight is failed at once (UNAVAILABLE), new ones are refused
+while the core restarts (at most `max_restarts` within `restart_window_s`, with backoff); past that the
+loop is broken and `on_broken` is called. It knows nothing of Triton: `triton_model.py` supplies Clients.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
-import json
 import logging
-import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Protocol
 
-from inflight.engine.engine import LLMEngine
+from inflight.engine import wire
+from inflight.engine.core import CoreSpec
+from inflight.engine.core_client import CoreClient, CoreError
+from inflight.engine.engine import check_params, tokenize_prompt
 from inflight.engine.stats import EngineSnapshot
+from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 
@@ -37,12 +42,15 @@ log = logging.getLogger("inflight.serving.engine_loop")
 class ErrorKind(enum.Enum):
     INVALID = "invalid"  # the user's request is wrong
     INTERNAL = "internal"  # the engine failed
-    UNAVAILABLE = "unavailable"  # shutting down, or the engine is broken
+    UNAVAILABLE = "unavailable"  # shutting down, restarting, or the engine is broken
     CANCELLED = "cancelled"
 
 
+_CORE_ERROR_KINDS = {"invalid": ErrorKind.INVALID, "internal": ErrorKind.INTERNAL, "unavailable": ErrorKind.UNAVAILABLE}
+
+
 class Client(Protocol):
-    """One request's way back to its caller. Called from the engine thread only."""
+    """One request's way back to its caller. Called from the responder thread only."""
 
     def is_cancelled(self) -> bool: ...
 
@@ -54,31 +62,22 @@ class Client(Protocol):
 @dataclass
 class Submission:
     request_id: str
-    prompt: str | list[int]
+    prompt: str | list[int]  # text is tokenized by submit()
     params: SamplingParams
     client: Client
     priority: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
 
 
-_STOP = object()
-
-
-@dataclass(frozen=True)
-class _Abort:
-    """From the responder to the engine thread: this request was cancelled; free its blocks."""
-
-    request_id: str
-
-
 class _Route:
-    """One request's client, as both threads see it; `ended` (responder only): answered finally."""
+    """One request's client; `ended` (responder only): answered finally."""
 
-    __slots__ = ("client", "ended", "request_id")
+    __slots__ = ("client", "ended", "prompt_token_ids", "request_id")
 
-    def __init__(self, request_id: str, client: Client) -> None:
+    def __init__(self, request_id: str, client: Client, prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
         self.client = client
+        self.prompt_token_ids = prompt_token_ids
         self.ended = False
 
 
@@ -95,223 +94,258 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
     )
 
 
+_COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
+             "prefix_cache_hits")  # fmt: skip
+
+
 class EngineLoop:
     def __init__(
         self,
-        engine: LLMEngine,
+        spec: CoreSpec,
         on_iteration: Callable[[EngineSnapshot], None] | None = None,
-        step_log: str | Path | None = None,
         on_broken: Callable[[str], None] | None = None,
         cancel_interval_s: float = 0.05,
         metrics_interval_s: float = 0.5,
+        on_core_start: Callable[[wire.Ready], None] | None = None,
+        max_restarts: int = 3,
+        restart_window_s: float = 60.0,
+        restart_backoff_s: float = 0.5,
     ) -> None:
-        """`on_iteration(snapshot)` publishes metrics (responder thread, at most every metrics_interval_s);
-        `on_broken(reason)` is called once, from the engine thread, when the engine cannot recover."""
-        self.engine = engine
+        """`on_iteration(snapshot)` publishes metrics (at most every metrics_interval_s); `on_broken(reason)`
+        is called once when the engine cannot serve again; `on_core_start(ready)` after each (re)start.
+        All three from the responder thread (the first start's from start())."""
+        self.spec = spec
+        self.tokenizer = load_tokenizer(spec.model_dir)  # the front tokenizes; the core only computes
         self._on_iteration = on_iteration
         self._on_broken = on_broken
+        self._on_core_start = on_core_start
         self._cancel_interval_s = cancel_interval_s
         self._metrics_interval_s = metrics_interval_s
-        self._step_log = open(step_log, "a", buffering=1) if step_log else None  # noqa: SIM115 - lives with the loop
-        self._inbox: queue.Queue = queue.Queue()
-        self._outbox: queue.Queue = queue.Queue()  # (route, RequestOutput | (ErrorKind, message)) | _STOP
-        self._active: dict[str, _Route] = {}  # engine thread writes; the responder reads copies
-        self._snapshot: EngineSnapshot | None = None
+        self._max_restarts = max_restarts
+        self._restart_window_s = restart_window_s
+        self._restart_backoff_s = restart_backoff_s
+        self._deaths: collections.deque[float] = collections.deque()
+        self._core: CoreClient | None = None
+        self.info: wire.Ready | None = None  # the running core's handshake
+        self._lock = threading.Lock()  # guards _active and _unavailable against submit()
+        self._active: dict[str, _Route] = {}
+        self._unavailable: str | None = None  # why new requests are refused now (restarting)
         self._broken: str | None = None
+        self._snapshot: EngineSnapshot | None = None
+        self._published: EngineSnapshot | None = None
+        self._base: EngineSnapshot | None = None  # counters of the cores before this one
         self._stopping = threading.Event()
-        self._closed = threading.Event()  # set before the engine thread's last drain of the inbox
-        self._thread = threading.Thread(target=self._run, name="inflight-engine", daemon=True)
         self._responder = threading.Thread(target=self._respond, name="inflight-responder", daemon=True)
 
     def start(self) -> EngineLoop:
+        """Start the core process and wait until it is ready (CoreError if it cannot start)."""
+        self._start_core()
         self._responder.start()
-        self._thread.start()
         return self
 
+    @property
+    def core_pid(self) -> int | None:
+        return self.info.pid if self.info is not None else None
+
+    @property
+    def snapshot(self) -> EngineSnapshot | None:
+        """The latest engine snapshot (counters summed over restarts)."""
+        return self._snapshot
+
+    def tokenize(self, prompt: str) -> list[int]:
+        """Prompt text -> token ids under the engine's bounds (InvalidRequestError). Thread-safe."""
+        info = self.info
+        return tokenize_prompt(self.tokenizer, prompt, info.max_prompt_bytes, info.max_model_len)
+
+    def check_params(self, params: SamplingParams) -> None:
+        check_params(self.spec.config, params)
+
     def submit(self, submission: Submission) -> None:
-        """Thread-safe. After stop() the request is failed at once instead."""
-        if self._stopping.is_set():  # shutting down, or the loop died
-            reason = self._broken or "the model is shutting down"
-            _safe(submission.client.on_error, ErrorKind.UNAVAILABLE, reason)
+        """Thread-safe. While the core restarts, or after stop(), the request is failed at once instead."""
+        sub = submission
+        try:
+            prompt = self.tokenize(sub.prompt) if isinstance(sub.prompt, str) else list(sub.prompt)
+        except InvalidRequestError as e:
+            _safe(sub.client.on_error, ErrorKind.INVALID, str(e))
             return
-        self._inbox.put(submission)
-        if self._closed.is_set():  # the thread ended between our check and our put: nobody else will drain
-            self._drain_inbox()
+        with self._lock:
+            reason = self._refusal()
+            if reason is None:
+                self._active[sub.request_id] = _Route(sub.request_id, sub.client, prompt)
+                self._core.add(wire.AddRequest.make(sub.request_id, prompt, sub.params, sub.arrival_time, sub.priority))
+        if reason is not None:
+            _safe(sub.client.on_error, ErrorKind.UNAVAILABLE, reason)
+
+    def _refusal(self) -> str | None:
+        if self._stopping.is_set():
+            return "the model is shutting down"
+        if self._broken is not None:
+            return f"the engine is unavailable: {self._broken}"
+        return self._unavailable
 
     def stop(self, timeout_s: float = 10.0) -> bool:
-        """Fail what is in flight, end the threads; True if they ended within the timeout."""
+        """Fail what is in flight, end the responder and the core; True if they ended within the timeout."""
         deadline = time.monotonic() + timeout_s
         self._stopping.set()
-        self._inbox.put(_STOP)
-        self._thread.join(timeout_s)
-        self._responder.join(max(0.0, deadline - time.monotonic()))
-        return not self._thread.is_alive() and not self._responder.is_alive()
+        if self._responder.is_alive():
+            self._responder.join(timeout_s)
+        core = self._core
+        if core is not None:
+            core.close(max(0.5, deadline - time.monotonic()))
+        return not self._responder.is_alive()
 
-    # ---- the engine thread ----------------------------------------------------------------------------
+    close = stop
 
-    def _run(self) -> None:
+    # ---- the core process ---------------------------------------------------------------------------
+
+    def _start_core(self) -> None:
+        core = CoreClient(self.spec)
         try:
-            # Once broken, every request was failed and new ones are refused: wait for work, never spin on
-            # a step that raises again.
-            while self._admit(block=self._broken is not None or not self.engine.has_unfinished_requests()):
-                if self._broken is None and self.engine.has_unfinished_requests():
-                    self._step()
-                self._snapshot = self.engine.snapshot()  # an immutable record; the responder publishes it
-        except BaseException:  # a bug in the loop itself: nobody may be left waiting
-            log.error("engine loop crashed:\n%s", traceback.format_exc())
-            self._fail_all(ErrorKind.INTERNAL, "the engine loop crashed; see the server log")
-            self._set_broken("the engine loop crashed")
+            ready = core.start(stopping=self._stopping)
+        except BaseException:
+            core.close()
             raise
-        finally:
-            self._stopping.set()  # from here on submit() answers at once instead of queueing
-            self._fail_all(ErrorKind.UNAVAILABLE, "the model is shutting down")
-            self._closed.set()  # a submit() that put after this drains the inbox itself
-            self._drain_inbox()
-            self._outbox.put(_STOP)  # after every answer: the responder sends them all, then ends
-            if self._step_log is not None:
-                self._step_log.close()
+        log.info("engine core process %d ready", ready.pid)
+        with self._lock:
+            self._core, self.info, self._unavailable = core, ready, None
+        if self._on_core_start is not None:
+            _safe(self._on_core_start, ready)
 
-    def _admit(self, block: bool) -> bool:
-        """Move inbox items into the engine; block for the first one when idle. False on stop."""
-        while True:
+    def _on_core_death(self, core: CoreClient) -> None:
+        """Fail everyone at once, then restart the core (bounded, with backoff) or give up: broken."""
+        reason = f"the engine process died ({core.exit_reason}); restarting"
+        log.error("%s (pid %s)", reason, core.pid)
+        with self._lock:
+            self._unavailable = reason
+            routes, self._active = self._active, {}
+        for route in routes.values():
+            if not route.ended:
+                route.ended = True
+                _safe(route.client.on_error, ErrorKind.UNAVAILABLE, reason)
+        core.close()
+        self._forget_core()
+        now = time.monotonic()
+        self._deaths.append(now)
+        while self._deaths and now - self._deaths[0] > self._restart_window_s:
+            self._deaths.popleft()
+        failures = len(self._deaths)
+        while not self._stopping.is_set():
+            if failures > self._max_restarts:
+                self._set_broken(
+                    f"the engine process died {failures} times within {self._restart_window_s:.0f} s "
+                    f"(last: {core.exit_reason})"
+                )
+                return
+            if self._stopping.wait(self._restart_backoff_s * 2 ** (failures - 1)):
+                return
             try:
-                item = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if item is _STOP:
-                return False
-            if isinstance(item, _Abort):
-                if self._active.pop(item.request_id, None) is not None:
-                    self.engine.abort_request(item.request_id)  # frees its KV blocks now
-                continue
-            self._add(item)
+                self._start_core()
+                return
+            except CoreError as e:
+                log.error("restarting the engine process failed: %s", e)
+                failures += 1
 
-    def _add(self, sub: Submission) -> None:
-        route = _Route(sub.request_id, sub.client)
-        if self._broken is not None:
-            self._answer(route, ErrorKind.UNAVAILABLE, f"the engine is unavailable: {self._broken}")
+    def _forget_core(self) -> None:
+        """The dead core's counters become the base of the next one's; its gauges go to idle."""
+        snap = self._snapshot
+        if snap is None:
             return
-        try:
-            self.engine.add_request(sub.request_id, sub.prompt, sub.params, sub.arrival_time, sub.priority)
-        except InvalidRequestError as e:
-            self._answer(route, ErrorKind.INVALID, str(e))
-            return
-        except Exception as e:
-            log.error("add_request failed:\n%s", traceback.format_exc())
-            self._answer(route, ErrorKind.INTERNAL, f"the engine could not take the request: {e!r}")
-            return
-        self._active[sub.request_id] = route
+        self._base = snap
+        total = snap.num_kv_blocks_used + snap.num_kv_blocks_free
+        self._snapshot = dataclasses.replace(
+            snap, num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_free=total, num_kv_blocks_cached=0
+        )
 
-    def _step(self) -> None:
-        steps_before = self.engine.counters.get("steps")
-        try:
-            outputs = self.engine.step()
-        except Exception as e:
-            self._recover(e)
-            return
-        if self._step_log is not None and self.engine.counters.get("steps") != steps_before:
-            self._log_step()
-        for out in outputs:
-            route = self._active.get(out.request_id)
-            if route is None:  # cancelled or failed earlier; this is the engine's abort echo
-                continue
-            if out.finished:
-                del self._active[out.request_id]
-            if out.error is not None:  # failed after admission (its grammar cannot compile, or a step on it failed)
-                kind = ErrorKind.INTERNAL if out.error_kind == "internal" else ErrorKind.INVALID
-                self._answer(route, kind, out.error)
-                continue
-            self._outbox.put((route, out))
-
-    def _answer(self, route: _Route, kind: ErrorKind, message: str) -> None:
-        self._outbox.put((route, (kind, message)))
-
-    def _recover(self, error: Exception) -> None:
-        """A step failed: fail every in-flight request, then try to bring the engine back to empty."""
-        log.error("engine step failed:\n%s", traceback.format_exc())
-        failed = list(self._active)
-        self._fail_all(ErrorKind.INTERNAL, f"the engine failed while running this request: {error!r}")
-        try:
-            for request_id in failed:
-                self.engine.abort_request(request_id)
-            for _ in range(3):  # the abort outputs come back from the next step
-                if not self.engine.has_unfinished_requests():
-                    return
-                self.engine.step()
-            raise RuntimeError("requests still unfinished after aborting all of them")
-        except Exception as e:
-            log.error("engine could not recover; refusing new requests:\n%s", traceback.format_exc())
-            self._set_broken(f"it failed and could not recover ({e!r}; first failure: {error!r})")
+    def _rebase(self, snap: EngineSnapshot) -> EngineSnapshot:
+        base = self._base
+        if base is None:
+            return snap
+        return dataclasses.replace(snap, **{k: getattr(base, k) + getattr(snap, k) for k in _COUNTERS})
 
     def _set_broken(self, reason: str) -> None:
         if self._broken is not None:
             return
-        self._broken = reason
+        log.error("the engine is broken: %s", reason)
+        with self._lock:
+            self._broken = reason
+            routes, self._active = self._active, {}
+        for route in routes.values():
+            if not route.ended:
+                route.ended = True
+                _safe(route.client.on_error, ErrorKind.UNAVAILABLE, f"the engine is unavailable: {reason}")
         if self._on_broken is not None:
             _safe(self._on_broken, reason)
-
-    def _fail_all(self, kind: ErrorKind, message: str) -> None:
-        active, self._active = self._active, {}
-        for request_id, route in active.items():
-            _safe(self.engine.abort_request, request_id)
-            self._answer(route, kind, message)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(item, Submission):
-                _safe(item.client.on_error, ErrorKind.UNAVAILABLE, "the model is shutting down")
-
-    def _log_step(self) -> None:
-        stats = self.engine.last_step_stats
-        if stats is not None:
-            record = dataclasses.asdict(stats) | {"wall_time": time.time()}
-            self._step_log.write(json.dumps(record) + "\n")
 
     # ---- the responder thread -------------------------------------------------------------------------
 
     def _respond(self) -> None:
         next_cancel_check = next_metrics = time.monotonic()
-        running = True
-        while running:
-            timeout = max(0.0, min(next_cancel_check, next_metrics) - time.monotonic())
-            try:
-                batch = [self._outbox.get(timeout=timeout)]
-            except queue.Empty:
-                batch = []
-            while True:  # what queued up meanwhile goes out together
+        try:
+            while not self._stopping.is_set():
+                core = self._core
+                timeout = max(0.0, min(next_cancel_check, next_metrics) - time.monotonic())
+                items = self._take(core.poll(timeout))
                 try:
-                    batch.append(self._outbox.get_nowait())
-                except queue.Empty:
-                    break
-            if batch and batch[-1] is _STOP:
-                running = False
-            items = [item for item in batch if item is not _STOP]
-            try:
-                self._deliver(items)
-            except Exception:  # a bug here must not end the thread that answers everyone
-                log.error("delivering responses failed:\n%s", traceback.format_exc())
-                for route, item in items:
-                    if not route.ended:
-                        route.ended = True
-                        if isinstance(item, RequestOutput) and not item.finished:
-                            self._inbox.put(_Abort(item.request_id))
-                        _safe(route.client.on_error, ErrorKind.INTERNAL, "sending a response failed; see the log")
-            now = time.monotonic()
-            if now >= next_cancel_check:
-                self._check_cancelled()
-                next_cancel_check = now + self._cancel_interval_s
-            if now >= next_metrics or not running:
-                if self._on_iteration is not None and self._snapshot is not None:
-                    _safe(self._on_iteration, self._snapshot)
-                next_metrics = now + self._metrics_interval_s
+                    self._deliver(items)
+                except Exception:  # a bug here must not end the thread that answers everyone
+                    log.error("delivering responses failed:\n%s", traceback.format_exc())
+                    self._fail_items(items)
+                if core.exit_reason is not None and self._broken is None:
+                    self._on_core_death(core)
+                now = time.monotonic()
+                if now >= next_cancel_check:
+                    self._check_cancelled()
+                    next_cancel_check = now + self._cancel_interval_s
+                if now >= next_metrics:
+                    self._publish()
+                    next_metrics = now + self._metrics_interval_s
+        except BaseException:  # a bug in the loop itself: nobody may be left waiting
+            log.error("the responder crashed:\n%s", traceback.format_exc())
+            self._set_broken("the responder crashed; see the server log")
+            raise
+        finally:
+            with self._lock:
+                routes, self._active = self._active, {}
+            for route in routes.values():
+                if not route.ended:
+                    route.ended = True
+                    _safe(route.client.on_error, ErrorKind.UNAVAILABLE, "the model is shutting down")
+            self._publish()
+
+    def _take(self, messages: list) -> list[tuple[_Route, RequestOutput | tuple[ErrorKind, str]]]:
+        """The core's messages -> (route, output or error) in order; routes of finished requests leave."""
+        items = []
+        for message in messages:
+            if isinstance(message, wire.StepOutputs):
+                if message.snapshot is not None:
+                    self._snapshot = self._rebase(message.snapshot)
+                    if _idle(self._snapshot) != _idle(self._published):  # work began or ended: publish now
+                        self._publish()
+                for out in message.outputs:
+                    route = self._active.get(out.request_id)
+                    if route is None:  # cancelled or failed earlier
+                        continue
+                    if out.finished:
+                        with self._lock:
+                            self._active.pop(out.request_id, None)
+                    if out.error is not None:
+                        items.append((route, (_CORE_ERROR_KINDS.get(out.error_kind, ErrorKind.INTERNAL), out.error)))
+                    else:
+                        items.append((route, out.to_request_output(route.prompt_token_ids)))
+            elif isinstance(message, wire.Broken):
+                self._set_broken(message.reason)
+        return items
+
+    def _fail_items(self, items: list) -> None:
+        for route, item in items:
+            if not route.ended:
+                route.ended = True
+                if isinstance(item, RequestOutput) and not item.finished:
+                    self._abort(route)
+                _safe(route.client.on_error, ErrorKind.INTERNAL, "sending a response failed; see the log")
 
     def _deliver(self, batch: list) -> None:
-        """Send a batch of queued items, one response per request: its outputs merged, then any error."""
+        """Send a batch of items, one response per request: its outputs merged, then any error."""
         pending: dict[int, tuple[_Route, RequestOutput]] = {}
         for route, item in batch:
             if route.ended:
@@ -338,24 +372,45 @@ class EngineLoop:
             log.error("sending a response failed:\n%s", traceback.format_exc())
             route.ended = True
             if not out.finished:
-                self._inbox.put(_Abort(out.request_id))
+                self._abort(route)
             _safe(route.client.on_error, ErrorKind.INTERNAL, f"sending a response failed: {e!r}")
             return
         if out.finished:
             route.ended = True
 
+    def _abort(self, route: _Route) -> None:
+        with self._lock:
+            if self._active.pop(route.request_id, None) is not None:
+                self._core.abort([route.request_id])
+
     def _check_cancelled(self) -> None:
-        for request_id, route in self._active.copy().items():
+        cancelled = []
+        for route in list(self._active.values()):
             if route.ended:
                 continue
             try:
-                cancelled = route.client.is_cancelled()
+                gone = route.client.is_cancelled()
             except Exception:  # the sender is gone: nobody to answer, free the blocks
-                cancelled = True
-            if cancelled:
+                gone = True
+            if gone:
                 route.ended = True
-                self._inbox.put(_Abort(request_id))
+                cancelled.append(route.request_id)
                 _safe(route.client.on_error, ErrorKind.CANCELLED, "the request was cancelled")
+        if cancelled:
+            with self._lock:
+                for request_id in cancelled:
+                    self._active.pop(request_id, None)
+                self._core.abort(cancelled)
+
+    def _publish(self) -> None:
+        snap = self._snapshot
+        if self._on_iteration is not None and snap is not None and snap is not self._published:
+            self._published = snap
+            _safe(self._on_iteration, snap)
+
+
+def _idle(snap: EngineSnapshot | None) -> bool:
+    return snap is None or (snap.num_running == 0 and snap.num_waiting == 0)
 
 
 def _safe(fn: Callable, *args) -> None:

@@ -64,6 +64,10 @@ class TritonMetrics:
         self.kv_capacity = make(
             "inflight_kv_cache_capacity_tokens", "Tokens the paged KV cache holds (num_kv_blocks x block_size)", gauge
         )
+        self.core_pid = make("inflight_engine_core_pid", "Process id of the running engine core process", gauge)
+        self.core_starts = make(
+            "inflight_engine_core_starts_total", "Engine core processes started (1 + restarts after a death)", counter
+        )
         self.vllm_prefix_cache_queries = make(
             "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens", counter
         )
@@ -115,6 +119,12 @@ class TritonMetrics:
         self._max_spread = 0.0
         self._steps_seen = -1
 
+    def core_started(self, ready) -> None:
+        """A core process (wire.Ready) started: its pid and capacity."""
+        self.core_pid.set(ready.pid)
+        self.core_starts.increment(1)
+        self.kv_capacity.set(ready.num_kv_blocks * ready.block_size)
+
     def update(self, snap: EngineSnapshot) -> None:
         """Refresh from one snapshot of the engine."""
         # Counters before gauges: a reader that sees the gauges of this iteration sees its counters too.
@@ -144,9 +154,10 @@ class TritonMetrics:
         if stats is not None and snap.steps != self._steps_seen:
             self._steps_seen = snap.steps
             self.arrival_spread.set(stats.arrival_spread_s)
-            if stats.arrival_spread_s > self._max_spread:
-                self._max_spread = stats.arrival_spread_s
-                self.max_arrival_spread.set(self._max_spread)
+        largest = max(snap.max_arrival_spread_s, stats.arrival_spread_s if stats is not None else 0.0)
+        if largest > self._max_spread:
+            self._max_spread = largest
+            self.max_arrival_spread.set(self._max_spread)
 
     def observe_request(self, ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
         if ttft_s is not None:

@@ -1,7 +1,8 @@
 """The `llm` model's TritonPythonModel: Triton requests in, engine, streamed Triton responses out.
 
-execute() only decodes and validates (`codec.py`); the engine thread (`engine_loop.py`) owns the engine
-and calls back into a `ResponseWriter` per request, which sends every response from that thread.
+execute() decodes, validates and tokenizes (`codec.py`); the engine runs in its own process, and the
+responder thread of `engine_loop.py` calls back into a `ResponseWriter` per request, which sends every
+response from that thread.
 Imported by model_repository/llm/1/model.py inside Triton's Python-backend stub only (needs
 `triton_python_backend_utils`).
 """
@@ -20,9 +21,8 @@ import triton_python_backend_utils as pb_utils
 
 from inflight.coerce import field_types, parse_scalar, type_name
 from inflight.config import ConfigError, EngineConfig
-from inflight.engine.engine import LLMEngine
+from inflight.engine.core import CoreSpec
 from inflight.model_source import ModelSourceError, resolve_model
-from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError
 from inflight.serving.codec import DecodedRequest, ResponseDelta, decode_request, encode_response, error_response
@@ -188,6 +188,9 @@ class ResponseWriter:
 
 
 class TritonPythonModel:
+    # "module:Class" of the engine the core process builds (tests name one with injected faults).
+    engine_class = "inflight.engine.engine:LLMEngine"
+
     def initialize(self, args: dict) -> None:
         _setup_logging()
         model_config = json.loads(args["model_config"])
@@ -196,34 +199,35 @@ class TritonPythonModel:
         parameters = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
         settings = ServerSettings.from_parameters(parameters)
         log.info("loading %s with %s", settings.model_dir, settings.engine_config)
-        self.engine = LLMEngine(settings.model_dir, settings.engine_config)
         self.stream_interval = settings.stream_interval
-        self.tokenizer = load_tokenizer(settings.model_dir)  # the adapter's own: logprob text, off the engine
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = _make_metrics(labels)
-        if self.metrics is not None:
-            self.metrics.kv_capacity.set(self.engine.num_kv_blocks * self.engine.config.block_size)
         on_iteration = self.metrics.update if self.metrics is not None else None
+        on_core_start = self.metrics.core_started if self.metrics is not None else None
         self.model_name = args["model_name"]
-        self.loop = EngineLoop(self.engine, on_iteration, settings.step_log, on_broken=self._on_broken).start()
+        spec = CoreSpec(settings.model_dir, settings.engine_config, self.engine_class, settings.step_log)
+        self.loop = EngineLoop(spec, on_iteration, on_broken=self._on_broken, on_core_start=on_core_start).start()
+        self.tokenizer = self.loop.tokenizer  # the front's own: prompts and logprob text
         self._ids = itertools.count()
+        info = self.loop.info
         log.info(
-            "engine ready: dtype=%s, max_model_len=%d, %d KV blocks of %d tokens",
-            str(self.engine.dtype).removeprefix("torch."),
-            self.engine.max_model_len,
-            self.engine.num_kv_blocks,
-            self.engine.config.block_size,
+            "engine ready: dtype=%s, max_model_len=%d, %d KV blocks of %d tokens (engine core process %d)",
+            info.dtype,
+            info.max_model_len,
+            info.num_kv_blocks,
+            info.block_size,
+            info.pid,
         )
 
     def execute(self, requests: list) -> None:
-        cfg = self.engine.config
+        cfg = self.loop.spec.config
         for request in requests:
             arrival = time.monotonic()
             try:
                 decoded = decode_request(request, cfg.max_sampling_parameters_bytes, cfg.max_json_depth)
-                self.engine.check_params(decoded.params)
-                # Tokenized here, on Triton's thread: the engine thread only computes.
-                prompt_token_ids = self.engine.tokenize(decoded.prompt)
+                self.loop.check_params(decoded.params)
+                # Tokenized here, on Triton's thread: the engine core only computes.
+                prompt_token_ids = self.loop.tokenize(decoded.prompt)
             except InvalidRequestError as e:
                 self._reject(request, ErrorKind.INVALID, str(e))
                 continue
@@ -242,7 +246,7 @@ class TritonPythonModel:
         """The engine cannot serve again: unload the model so that Triton reports it not ready (a load
         balancer then routes elsewhere). 2.51's Python backend has no other way for a model to change its
         readiness; unloading needs --model-control-mode=explicit, which the launcher sets. From its own
-        thread: unload calls finalize(), which joins the engine thread that calls us."""
+        thread: unload calls finalize(), which joins the responder thread that calls us."""
 
         def unload() -> None:
             try:
@@ -262,10 +266,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.stop(timeout_s=10.0):
-            log.warning("engine thread still busy after 10 s; leaving it behind")
-        engine = getattr(self, "engine", None)
-        if engine is not None:  # its grammar compile threads, which would keep the stub process alive
-            engine.close()
+            log.warning("the responder thread is still busy after 10 s; leaving it behind")
 
 
 def _make_metrics(labels: dict[str, str]) -> TritonMetrics | None:

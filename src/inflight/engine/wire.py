@@ -1,0 +1,132 @@
+"""What the front and the engine core process say to each other (msgpack via msgspec, over ZMQ).
+
+Front -> core: `AddRequest` and `Abort`. Core -> front: `Ready` once after start, then one `StepOutputs`
+per step (every request's delta of that step, and at most every ~0.25 s the engine's snapshot), and
+`Broken` if the engine cannot go on. Per-step structs are array-like with defaults omitted: small
+and quick to encode.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import msgspec
+
+from inflight.engine.stats import EngineSnapshot
+from inflight.outputs import RequestOutput, TokenLogprob
+from inflight.sampling_params import SamplingParams
+
+# ---- front -> core ----------------------------------------------------------------------------------
+
+
+class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: bytes  # a pickled SamplingParams (nested, optional parts; pickled once per request)
+    arrival_time: float
+    priority: int = 0
+
+    @classmethod
+    def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float, priority=0):
+        return cls(request_id, prompt_token_ids, pickle.dumps(params, protocol=5), arrival, priority)
+
+    def sampling_params(self) -> SamplingParams:
+        return pickle.loads(self.params)
+
+
+class Abort(msgspec.Struct, array_like=True, tag=True):
+    request_ids: list[str]
+
+
+# ---- core -> front ----------------------------------------------------------------------------------
+
+
+class Logprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: dict[int, float]
+
+
+class Output(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One request's RequestOutput of one step, without its prompt (the front has it)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None
+    cumulative_logprob: float = 0.0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+    error_kind: str = "invalid"  # "invalid" | "internal" | "unavailable"
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> Output:
+        logprobs = None
+        if out.new_logprobs is not None:
+            logprobs = [Logprob(lp.token_id, lp.logprob, lp.top) for lp in out.new_logprobs]
+        return cls(
+            out.request_id,
+            out.new_token_ids,
+            out.new_text,
+            out.finished,
+            out.finish_reason,
+            logprobs,
+            out.cumulative_logprob,
+            out.num_output_tokens,
+            out.num_cached_tokens,
+            out.error,
+            out.error_kind,
+        )
+
+    @classmethod
+    def failure(cls, request_id: str, kind: str, message: str) -> Output:
+        return cls(request_id, [], finished=True, finish_reason="abort", error=message, error_kind=kind)
+
+    def to_request_output(self, prompt_token_ids: list[int]) -> RequestOutput:
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = [TokenLogprob(lp.token_id, lp.logprob, lp.top) for lp in self.logprobs]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=prompt_token_ids,
+            new_token_ids=self.new_token_ids,
+            new_text=self.new_text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            new_logprobs=logprobs,
+            cumulative_logprob=self.cumulative_logprob,
+            num_output_tokens=self.num_output_tokens,
+            error=self.error,
+            error_kind=self.error_kind,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class Ready(msgspec.Struct, array_like=True, tag=True):
+    """The core's handshake: what the front needs of the engine it cannot see."""
+
+    pid: int
+    max_model_len: int
+    max_prompt_bytes: int
+    num_kv_blocks: int
+    block_size: int
+    vocab_size: int
+    dtype: str
+
+
+class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    outputs: list[Output]
+    snapshot: EngineSnapshot | None = None
+
+
+class Broken(msgspec.Struct, array_like=True, tag=True):
+    """The engine failed and could not recover: the core answers every request with an error from now on."""
+
+    reason: str
+
+
+ToCore = AddRequest | Abort
+FromCore = Ready | StepOutputs | Broken

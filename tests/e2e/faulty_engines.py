@@ -1,0 +1,32 @@
+"""LLMEngines with injected faults, built by an engine core process (CoreSpec.engine_class names them):
+faults are triggered by a request's max_tokens, since the test cannot reach into the core process."""
+
+from __future__ import annotations
+
+from inflight.engine.engine import LLMEngine
+
+FAIL_ONCE_MAX_TOKENS = 199  # a step fails once, after such a request has 2 tokens
+BREAK_MAX_TOKENS = 13  # every step fails from the moment such a request arrives (the device is "lost")
+
+
+class FlakyEngine(LLMEngine):
+    failed: set[str]
+
+    def step(self):
+        failed = self.__dict__.setdefault("failed", set())
+        for seq in self._seqs.values():
+            p = seq.sampling_params
+            if p.max_tokens == FAIL_ONCE_MAX_TOKENS and len(seq.output_token_ids) >= 2 and seq.request_id not in failed:
+                failed.add(seq.request_id)
+                raise RuntimeError("injected fault")
+        return super().step()
+
+
+class BreakableEngine(LLMEngine):
+    broken = False
+
+    def step(self):
+        if self.broken or any(s.sampling_params.max_tokens == BREAK_MAX_TOKENS for s in self._seqs.values()):
+            self.broken = True
+            raise RuntimeError("device lost")
+        return super().step()

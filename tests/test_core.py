@@ -1,0 +1,113 @@
+"""The engine core process and its wire format: messages round-trip, and a core process gives the same
+tokens as the in-process engine (greedy), takes aborts, and answers bad requests with an error output."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from inflight.config import EngineConfig
+from inflight.engine import wire
+from inflight.engine.core import CoreSpec
+from inflight.engine.core_client import CoreClient
+from inflight.engine.engine import LLMEngine
+from inflight.engine.stats import EngineSnapshot, StepStats
+from inflight.outputs import RequestOutput, TokenLogprob
+from inflight.sampling_params import SamplingParams
+
+CONFIG = EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256)
+
+
+def _roundtrip(message, kind):
+    return msgspec.msgpack.Decoder(kind).decode(msgspec.msgpack.Encoder().encode(message))
+
+
+def test_step_outputs_round_trip():
+    out = RequestOutput(
+        "r1",
+        [1, 2],
+        [7],
+        "hi",
+        True,
+        "stop",
+        [TokenLogprob(7, -0.5, {7: -0.5, 9: -1.25})],
+        -0.5,
+        3,
+        None,
+        "invalid",
+        16,
+    )
+    stats = StepStats(1.0, 1, 0, 1, 1, 0, 1, 2, 64, 0, 0.0, 0.01, 0.005, 4)
+    snap = EngineSnapshot(5, 2, 3, 0, 1, 0, 2, 62, 4, stats, 0, 2, 0)
+    message = wire.StepOutputs([wire.Output.of(out), wire.Output.failure("r2", "invalid", "bad")], snap)
+    back = _roundtrip(message, wire.FromCore)
+    assert back == message
+    assert back.outputs[0].to_request_output([1, 2]) == out
+    assert back.snapshot == snap and back.snapshot.last_step.occupancy == 0.25
+
+
+def test_requests_round_trip():
+    params = SamplingParams(temperature=0.5, max_tokens=9, stop=["x"], structured_outputs={"choice": ["a", "b"]})
+    add = wire.AddRequest.make("r", [3, 4], params, 12.5, priority=2)
+    back = _roundtrip(add, wire.ToCore)
+    assert back == add and back.sampling_params() == params
+    assert _roundtrip(wire.Abort(["a", "b"]), wire.ToCore) == wire.Abort(["a", "b"])
+
+
+@pytest.fixture(scope="module")
+def core(demo_model_dir):
+    client = CoreClient(CoreSpec(demo_model_dir, CONFIG))
+    client.start()
+    yield client
+    client.close()
+
+
+def _run(core: CoreClient, until: set[str], timeout_s: float = 60) -> dict[str, list[wire.Output]]:
+    outputs: dict[str, list[wire.Output]] = {}
+    deadline = time.monotonic() + timeout_s
+    while until and time.monotonic() < deadline:
+        for message in core.poll(0.5):
+            for out in getattr(message, "outputs", []):
+                outputs.setdefault(out.request_id, []).append(out)
+                if out.finished:
+                    until.discard(out.request_id)
+    assert not until, f"unfinished: {until}"
+    return outputs
+
+
+def test_core_process_matches_the_in_process_engine(core, demo_model_dir):
+    prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7], "c": [9, 10, 11, 12, 13, 14]}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    engine = LLMEngine(demo_model_dir, CONFIG)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+        core.add(wire.AddRequest.make(rid, ids, params, time.monotonic()))
+    want: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            want.setdefault(out.request_id, []).append(out)
+    got = _run(core, set(prompts))
+    for rid in prompts:
+        tokens = [t for o in got[rid] for t in o.new_token_ids]
+        assert tokens == [t for o in want[rid] for t in o.new_token_ids]
+        assert "".join(o.new_text for o in got[rid]) == "".join(o.new_text for o in want[rid])
+        assert got[rid][-1].finish_reason == "length" and got[rid][-1].num_output_tokens == 24
+        assert got[rid][-1].cumulative_logprob == pytest.approx(want[rid][-1].cumulative_logprob)
+
+
+def test_core_aborts_and_rejects(core):
+    core.add(wire.AddRequest.make("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), time.monotonic()))
+    core.add(wire.AddRequest.make("bad", [1, 2, 3], SamplingParams(max_tokens=10_000), time.monotonic()))
+    core.add(wire.AddRequest.make("oov", [10**6], SamplingParams(max_tokens=2), time.monotonic()))
+    errors = _run(core, {"bad", "oov"})
+    assert errors["bad"][-1].error_kind == "invalid" and "max_model_len=256" in errors["bad"][-1].error
+    assert "outside the vocabulary" in errors["oov"][-1].error
+    core.abort(["long"])
+    snapshot = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (snapshot is None or snapshot.num_running):
+        for message in core.poll(0.2):
+            snapshot = getattr(message, "snapshot", None) or snapshot
+    assert snapshot is not None and snapshot.num_running == 0 and snapshot.num_kv_blocks_used == 0
