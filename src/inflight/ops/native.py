@@ -2,8 +2,8 @@
 
 torch caches a build under `TORCH_EXTENSIONS_DIR` (default `~/.cache/torch_extensions`) by name. The sources
 are compiled with `-march=native`, so a cache shared across machines (a home directory on NFS, an image built
-elsewhere) must not hand one CPU's build to another: the name carries a hash of the sources, the flags and
-the CPU's instruction-set flags.
+elsewhere) must not hand one CPU's build to another: the name carries a hash of the sources, the flags,
+torch's version and path, and the CPU's instruction-set flags.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ LDFLAGS = ["-fopenmp", "-lm"]  # -lm brings libmvec: the vectorized expf
 
 
 def build_name(csrc: Path = CSRC) -> str:
-    key = hashlib.sha1(platform.machine().encode())
+    # torch's own path too: environments with their own torch build against their own headers, and one
+    # shared name would make them rebuild over each other's copy at every start.
+    key = hashlib.sha1((platform.machine() + torch.__version__ + str(Path(torch.__file__).parent)).encode())
     for path in sorted(csrc.iterdir()):
         key.update(path.name.encode() + path.read_bytes())
     key.update(" ".join(CFLAGS + LDFLAGS).encode())
