@@ -59,6 +59,8 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: launch every decode step's kernels from Python instead of CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
+    # vLLM's kv_events_config (JSON text or a dict): publish the prefix cache's changes for KV-aware routers
+    kv_events_config: str | None = None
     # Bounds on what one request may cost (errors name the field and the limit).
     max_logprobs: int = 20  # most top logprobs per token a request may ask for (vLLM's default)
     max_stop_strings: int = 64

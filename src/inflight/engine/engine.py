@@ -14,6 +14,7 @@ import torch
 
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.kv_cache import BlockManager
+from inflight.engine.kv_events import AllBlocksCleared, KVEventsConfig, ZmqEventPublisher
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inflight.engine.stats import EngineSnapshot, StepStats
@@ -56,7 +57,13 @@ class LLMEngine:
                 f"kv_reservation='max_length' needs max_model_len={self.max_model_len} tokens per sequence but the "
                 f"KV cache holds {self.num_kv_blocks * block_size}; lower max_model_len or raise the KV budget"
             )
-        self.block_manager = BlockManager(self.num_kv_blocks, block_size, config.enable_prefix_caching)
+        events = KVEventsConfig.parse(config.kv_events_config)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks, block_size, config.enable_prefix_caching, record_events=events.enabled
+        )
+        self.kv_events = ZmqEventPublisher(events) if events.enabled else None
+        if self.kv_events is not None:  # a router forgets what an earlier engine on this endpoint held
+            self.kv_events.publish([AllBlocksCleared()])
         self.scheduler = Scheduler(config, self.block_manager, self.max_model_len)
         self.runner = ModelRunner(
             self.model,
@@ -183,8 +190,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def close(self) -> None:
-        """Release the threads the engine started (the grammar compile pool); call once it no longer steps."""
+        """Release the threads the engine started (the grammar compile pool) and the KV events socket; call
+        once it no longer steps."""
         self.structured_outputs.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def snapshot(self) -> EngineSnapshot:
         c = self.counters
@@ -244,6 +254,10 @@ class LLMEngine:
             outputs.append(self._finish_output(seq, "", [], error=message, error_kind="internal"))
         forward_time = sum(result.forward_time_s for _, result, _, _ in parts)
         self._record_stats(sched, num_running, num_decode, t0, forward_time)
+        if self.kv_events is not None:
+            events = self.block_manager.take_events()
+            if events:
+                self.kv_events.publish(events)
         return outputs
 
     def _forward_and_sample(self, sched: SchedulerOutput):

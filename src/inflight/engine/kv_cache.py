@@ -14,6 +14,7 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
+from inflight.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent, external_hash
 from inflight.engine.sequence import Sequence
 
 ROOT_HASH = b""  # the parent of a sequence's first block
@@ -32,7 +33,9 @@ def hash_block(parent: bytes, token_ids: Seq[int], extra_keys: tuple = ()) -> by
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, record_events: bool = False
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -45,6 +48,13 @@ class BlockManager:
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}  # block hash -> the block holding those contents
         self._num_free_cached = 0
+        # KV events for routers (kv_events.py), taken by the engine after each step; None: not recorded.
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The prefix cache's changes since the last call, in order."""
+        events, self._events = self._events or [], [] if self._events is not None else None
+        return events
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,6 +113,7 @@ class BlockManager:
         if num_full <= seq.num_registered_blocks:
             return
         hashes = self._seq_hashes(seq, num_full)
+        stored: list[int] = []
         for i in range(seq.num_registered_blocks, num_full):
             block, h = seq.block_table[i], hashes[i]
             # Same contents computed twice (two requests prefilling one prompt at once): keep the first.
@@ -110,11 +121,31 @@ class BlockManager:
                 self._block_hash[block] = h
                 self._block_tokens[block] = self._block_tokens_of(seq, i)
                 self._cached[h] = block
+                stored.append(i)
+        if self._events is not None and stored:
+            self._record_stored(hashes, stored)
         seq.num_registered_blocks = num_full
+
+    def _record_stored(self, hashes: list[bytes], indices: list[int]) -> None:
+        """One BlockStored per run of consecutive newly cached blocks of a sequence (its parent chains it)."""
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            tokens = [t for i in run for t in self._block_tokens[self._cached[hashes[i]]]]
+            parent = external_hash(hashes[run[0] - 1]) if run[0] > 0 else None
+            self._events.append(
+                BlockStored([external_hash(hashes[i]) for i in run], parent, tokens, self.block_size, None, None)
+            )
 
     def _evict(self, block: int) -> None:
         h = self._block_hash[block]
         if h is not None:
+            if self._events is not None:
+                self._events.append(BlockRemoved([external_hash(h)], None))
             del self._cached[h]
             self._block_hash[block] = None
             self._block_tokens[block] = None

@@ -27,6 +27,8 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: on)",
     "enforce_eager": "GPU: launch decode steps' kernels one by one instead of replaying CUDA graphs (default: off)",
     "dtype": "auto: the checkpoint's on GPU; on CPU bfloat16 with AMX / AVX512-BF16, else float32 (logged)",
+    "kv_events_config": "vLLM's KV events for KV-aware routers, JSON: "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' (default: off)',
 }
 _CHOICES = {
     "dtype": ["auto", *DTYPES],

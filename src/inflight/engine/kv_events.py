@@ -1,0 +1,120 @@
+"""KV cache events in vLLM's wire format, for KV-aware routers (NVIDIA Dynamo's `ZmqSource`, llm-d).
+
+The prefix cache reports what it holds as it changes: `BlockStored` when full blocks are registered under
+their chained hash, `BlockRemoved` when one is evicted, `AllBlocksCleared` when the whole cache goes (the
+engine starting: a router must forget what a restarted engine held). A batch per engine step goes out on a
+ZMQ PUB socket as the multipart message (topic, 8-byte big-endian sequence number, msgpack payload), as
+vLLM's `ZmqEventPublisher` sends it. Block hashes are the low 64 bits of our sha256 chain, as integers
+(vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from inflight.config import ConfigError
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the three events; the tag is the class name, as vLLM's."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def external_hash(block_hash: bytes) -> int:
+    """The hash a router sees: the low 64 bits of the block's sha256 chain hash."""
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `kv_events_config` names: `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    "tcp://*:5557", "topic": ""}`. Off unless `enable_kv_cache_events`."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> KVEventsConfig:
+        if value is None or value == "":
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"kv_events_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"kv_events_config={value!r} is invalid: must be a JSON object")
+        known = {"enable_kv_cache_events", "publisher", "endpoint", "topic"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"kv_events_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
+        config = cls(**value)
+        if config.publisher not in ("zmq", "null"):
+            raise ConfigError(f"kv_events_config.publisher={config.publisher!r} is invalid: must be zmq or null")
+        return config
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+class ZmqEventPublisher:
+    """A PUB socket that sends one `KVEventBatch` per call (binds endpoints with a wildcard, else connects)."""
+
+    def __init__(self, config: KVEventsConfig) -> None:
+        import zmq
+
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 100_000)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        endpoint = config.endpoint
+        if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            self._pub.bind(endpoint)
+        else:
+            self._pub.connect(endpoint)
+        self._topic = config.topic.encode()
+        self._seq = itertools.count()
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        payload = self._encoder.encode(KVEventBatch(ts=time.time(), events=events))
+        self._pub.send_multipart((self._topic, next(self._seq).to_bytes(8, "big"), payload))
+
+    def close(self) -> None:
+        self._pub.close(linger=0)
