@@ -23,6 +23,8 @@ from helpers import PROMPTS, capture_logits, hf_logits
 
 from inflight import LLM, SamplingParams
 from inflight.config import EngineConfig
+from inflight.engine.engine import bf16_probe
+from inflight.models.config import ModelConfig
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +98,6 @@ def test_the_engine_logs_its_dtype_once(demo_model_dir, caplog):
         llm = LLM(demo_model_dir, num_kv_blocks=16)
     records = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype ")]
     config = EngineConfig()  # where the LLM above runs: the GPU if there is one
-    expected, why = config.resolve_dtype(torch.float32)
+    expected, why = config.resolve_dtype(torch.float32, bf16_probe(ModelConfig.load(demo_model_dir)))  # cached
     assert llm.engine.dtype == expected
     assert records == [f"dtype {str(expected).removeprefix('torch.')} on {config.device} ({why})"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -124,21 +125,31 @@ class EngineConfig:
     def torch_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         return self.resolve_dtype(checkpoint_dtype)[0]
 
-    def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
-        """The dtype the engine runs in, and why (for the startup log)."""
-        dtype, why = self._resolve_dtype(checkpoint_dtype)
+    def resolve_dtype(
+        self, checkpoint_dtype: torch.dtype, bf16_speedup: Callable[[], float | None] | None = None
+    ) -> tuple[torch.dtype, str]:
+        """The dtype the engine runs in, and why (for the startup log). On a CPU with native bf16, `auto`
+        follows `bf16_speedup()` (fp32 time ÷ bf16 time of the model's GEMMs here) where it is given."""
+        dtype, why = self._resolve_dtype(checkpoint_dtype, bf16_speedup)
         self._check_interpreted_dtype(dtype)
         return dtype, why
 
-    def _resolve_dtype(self, checkpoint_dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    def _resolve_dtype(
+        self, checkpoint_dtype: torch.dtype, bf16_speedup: Callable[[], float | None] | None
+    ) -> tuple[torch.dtype, str]:
         if self.dtype != "auto":
             return DTYPES[self.dtype], "set explicitly"
         if torch.device(self.device).type != "cpu":
             return checkpoint_dtype, "auto: the checkpoint's dtype on an accelerator"
         feature = cpu_bf16_feature()
-        if feature is not None:
+        if feature is None:
+            return torch.float32, "auto: this CPU has neither amx_bf16 nor avx512_bf16"
+        speedup = bf16_speedup() if bf16_speedup is not None else None
+        if speedup is None:
             return torch.bfloat16, f"auto: this CPU has {feature}"
-        return torch.float32, "auto: this CPU has neither amx_bf16 nor avx512_bf16"
+        if speedup >= 1.0:
+            return torch.bfloat16, f"auto: this CPU has {feature}, and bf16 GEMMs ran {speedup:.2f}x fp32's speed here"
+        return torch.float32, f"auto: this CPU has {feature}, but bf16 GEMMs ran only {speedup:.2f}x fp32's speed here"
 
     def resolved_attention_backend(self) -> str:
         if self.attention_backend != "auto":

@@ -121,13 +121,16 @@ def test_inflight_openai_fronts_a_running_triton_and_stops_on_ctrl_c(server, tmp
         log.close()
 
 
-def test_server_log_names_the_dtype_it_runs_in(server, server_log):
+def test_server_log_names_the_dtype_it_runs_in(server, server_log, demo_model_dir):
     # dtype=auto is bf16 on a CPU with AMX / AVX512-BF16 and fp32 on others: the operator must see which.
     from e2e_util import ENGINE_ARGS
 
     from inflight.config import EngineConfig
+    from inflight.engine.engine import bf16_probe
+    from inflight.models.config import ModelConfig
 
-    dtype, why = EngineConfig(**ENGINE_ARGS).resolve_dtype(torch.float32)  # the demo checkpoint is fp32
+    probe = bf16_probe(ModelConfig.load(demo_model_dir))  # the server measured it first; this reads its cache
+    dtype, why = EngineConfig(**ENGINE_ARGS).resolve_dtype(torch.float32, probe)  # the demo checkpoint is fp32
     log = server_log.read_text(errors="replace")
     assert f"dtype {str(dtype).removeprefix('torch.')} on cpu ({why})" in log
     assert f"engine ready: dtype={str(dtype).removeprefix('torch.')}," in log
