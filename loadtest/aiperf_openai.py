@@ -15,7 +15,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+
+from benchmarks.common.aiperf import summarize
 
 REPO = Path(__file__).resolve().parent.parent
 # Small enough for 2 CPU cores; the queue still builds when the concurrency exceeds max_num_seqs.
@@ -54,30 +55,6 @@ def aiperf_command(args: argparse.Namespace, url: str, tokenizer: str) -> list[s
         "--output-artifact-dir", str(args.out),
         "--ui-type", "none",
     ]  # fmt: skip
-
-
-def summarize(out: Path) -> dict[str, Any]:
-    """Requests, errors and the headline metrics from AIPerf's JSON export."""
-    export = next(out.rglob("profile_export_aiperf.json"), None)
-    if export is None:
-        raise SystemExit(f"aiperf wrote no profile_export_aiperf.json under {out}")
-    data = json.loads(export.read_text())
-
-    def stat(name: str, key: str = "avg") -> float | None:
-        metric = data.get(name)
-        return metric.get(key) if isinstance(metric, dict) else None
-
-    errors = data.get("error_summary") or []
-    return {
-        "export": str(export),
-        "requests": stat("request_count"),
-        "errors": sum(e.get("count", 0) for e in errors),
-        "error_rate_pct": stat("request_error_rate"),
-        "error_summary": errors,
-        "ttft_p50_ms": stat("time_to_first_token", "p50"),
-        "output_tokens_per_s": stat("output_token_throughput"),
-        "request_latency_p50_ms": stat("request_latency", "p50"),
-    }
 
 
 def run(args: argparse.Namespace, url: str, tokenizer: str) -> int:
