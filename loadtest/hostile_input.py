@@ -1,12 +1,16 @@
-"""Hostile input against a running server: does one bad request hurt the others?
+"""Hostile input against a real `inflight serve`: does one bad request, or one dead process, hurt anyone else?
 
-    python -m loadtest.hostile_input            # launches a server (demo model) on free ports
+    make hostile                                   # = python -m loadtest.hostile_input (demo model)
+    python -m loadtest.hostile_input --only grammar top_p
 
-A normal client keeps sending short streaming requests and records each one's TTFT. Meanwhile an attacker
-sends, one kind at a time: a 10 MB prompt, the largest stop list the limits allow (max_stop_strings
-strings of max_stop_str_len characters), a single 5 MB stop string, and 10,000 stop strings of 1 kB. Reported
-per phase: the normal requests' TTFT (max and p50), what the attacker got back, and the model process's
-resident memory (VmRSS now, VmHWM peak). Target: TTFT < 1 s throughout, memory bounded.
+The launcher runs as a user would start it (tritonserver, the engine process, the OpenAI port). A normal
+client keeps streaming short requests over gRPC and records each one's TTFT. Meanwhile one attack at a time:
+oversized prompts and stop lists, sampling values at the edge of their ranges, grammars that are slow,
+ambiguous, huge or match nothing, oversized OpenAI bodies, Triton's admin APIs without the launch's secret,
+and the engine process and the model's stub killed mid-stream. Per attack, one line: what the attacker got
+(status or error), the normal requests' TTFT max and p50, and the memory of the whole server (every
+process under the launcher) after the attack against before it. Targets (issue 27): a clear 4xx or served
+within bounds, normal TTFT < 2 s throughout, memory back within 10%, and the server still serving.
 """
 
 from __future__ import annotations
@@ -14,111 +18,368 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
+import sys
 import threading
 import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from inflight.config import EngineConfig
 
+ENGINE_ARGS = {"max_num_seqs": 16, "max_model_len": 2048, "num_kv_blocks": 512}
+TTFT_LIMIT_S = 2.0
+MEMORY_SLACK = 0.10
 
-def stub_memory_mb(server_pid: int) -> tuple[float, float]:
-    """(VmRSS, VmHWM) in MB of the Python-backend stub(s) in the server's process group."""
-    rss = hwm = 0.0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
+
+# ---- processes -----------------------------------------------------------------------------------------
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
         try:
-            if os.getpgid(int(pid)) != server_pid:
-                continue
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"triton_python_backend_stub" not in cmd:
-                continue
             status = Path(f"/proc/{pid}/status").read_text()
-        except (OSError, ProcessLookupError):
+        except OSError:
             continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        rss += int(fields["VmRSS"].split()[0]) / 1024
-        hwm += int(fields["VmHWM"].split()[0]) / 1024
-    return rss, hwm
+        for line in status.splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1]) / 1024
+    return total
 
 
-def attacks(config: EngineConfig) -> dict[str, tuple[str, dict]]:
+def find(root: int, needle: str) -> int | None:
+    return next((p for p in descendants(root) if p != root and needle in cmdline(p)), None)
+
+
+# ---- the attacks -----------------------------------------------------------------------------------------
+
+
+def http(method: str, url: str, body: bytes | None = None, headers: dict | None = None, timeout: float = 120):
+    """(status, first 160 characters of the answer) of one HTTP request."""
+    request = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            return resp.status, resp.read(4096).decode(errors="replace")[:160]
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(4096).decode(errors="replace")[:160]
+    except OSError as e:
+        return None, repr(e)[:160]
+
+
+def openai_post(api: str, path: str, payload: dict | bytes) -> tuple[int | None, str]:
+    body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return http("POST", f"{api}{path}", body, {"Content-Type": "application/json"})
+
+
+def big_schema(salt: int, size_bytes: int = 210_000) -> dict:
+    """A JSON schema of about `size_bytes` (many enum-typed properties), distinct per `salt`."""
+    props, n = {}, 0
+    while len(json.dumps(props)) < size_bytes:
+        props[f"field_{salt}_{n}"] = {"enum": [f"v{salt}_{n}_{k}" for k in range(8)]}
+        n += 1
+    return {"type": "object", "properties": props, "required": list(props)[:4]}
+
+
+# An ambiguous EBNF: each level may match the same run of "a" in many ways, so the matcher's work per token
+# grows with every level (issue 27 item 3).
+AMBIGUOUS = "\n".join(["root ::= (x0)*"] + [f'x{i} ::= (x{i + 1})* "a"*' for i in range(40)] + ['x40 ::= "a"*'])
+
+
+class Attack:
+    def __init__(self, name: str, fn: Callable[[], Any], in_flight_ok: bool = False) -> None:
+        self.name, self.fn, self.in_flight_ok = name, fn, in_flight_ok
+
+
+def attacks(ctx: dict[str, Any], config: EngineConfig) -> list[Attack]:
+    from inflight_client import InferenceError
+
+    client, api, http_url, launcher = ctx["client"], ctx["api"], ctx["http"], ctx["launcher"]
+
+    def grpc(prompt: str, params: dict) -> str:
+        try:
+            done = client.generate(prompt, params)
+            return f"served ({done.num_output_tokens} tokens, {done.finish_reason})"
+        except InferenceError as e:
+            return f"{e.code or 'error'}: {e.message[:120]}"
+
     longest = [f"{i:05d}" + "~" * (config.max_stop_str_len - 5) for i in range(config.max_stop_strings)]
-    return {
-        "10 MB prompt": ("word " * 2_000_000, {"max_tokens": 16}),
-        "largest allowed stop list": ("Hello world", {"max_tokens": 200, "ignore_eos": True, "stop": longest}),
-        "one 5 MB stop string": ("Hello world", {"max_tokens": 16, "stop": ["x" * 5_000_000]}),
-        "10,000 stop strings of 1 kB": ("Hello world", {"max_tokens": 16, "stop": ["y" * 1000] * 10_000}),
-    }
+
+    def tiny_schema_during_big_compiles() -> str:
+        waits = []
+        threads = [
+            threading.Thread(
+                target=lambda s=s: waits.append(
+                    openai_post(
+                        api,
+                        "/v1/chat/completions",
+                        {
+                            "model": "llm",
+                            "messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 8,
+                            "response_format": {
+                                "type": "json_schema",
+                                "json_schema": {"name": "big", "schema": big_schema(s)},
+                            },
+                        },
+                    )[0]  # fmt: skip
+                )
+            )
+            for s in (int(time.time()), int(time.time()) + 1)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        tiny = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+        status, _ = openai_post(api, "/v1/chat/completions", {
+            "model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "tiny", "schema": tiny}},
+        })  # fmt: skip
+        tiny_s = time.monotonic() - t0
+        for t in threads:
+            t.join()
+        return f"tiny schema {status} in {tiny_s:.2f} s; the two 210 KB schemas: {sorted(waits)}"
+
+    def kill_engine_core() -> str:
+        core = find(launcher.pid, "inflight.engine.core") or find(launcher.pid, "multiprocessing.spawn")
+        if core is None:
+            return "no engine process found"
+        stream = client.stream("Once upon a time", {"max_tokens": 400, "ignore_eos": True, "temperature": 0})
+        next(iter(stream))
+        os.kill(core, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            list(stream)
+            ended = "the stream ended without an error"
+        except InferenceError as e:
+            ended = f"in-flight stream failed after {time.monotonic() - t0:.2f} s ({e.message[:60]})"
+        return ended + "; " + served_again(t0)
+
+    def kill_stub() -> str:
+        stub = find(launcher.pid, "triton_python_backend_stub")
+        if stub is None:
+            return "no stub found"
+        os.kill(stub, signal.SIGKILL)
+        return served_again(time.monotonic(), timeout_s=180)
+
+    def served_again(t0: float, timeout_s: float = 120) -> str:
+        while time.monotonic() - t0 < timeout_s:
+            try:
+                client.generate("Hello", {"max_tokens": 2})
+                return f"served again after {time.monotonic() - t0:.1f} s"
+            except InferenceError:
+                time.sleep(0.25)
+        return f"NOT served again within {timeout_s:.0f} s"
+
+    admin = [
+        ("POST", "/v2/systemsharedmemory/region/probe/register", {"key": "/probe", "offset": 0, "byte_size": 64}),
+        ("POST", "/v2/logging", {"log_verbose_level": 3, "log_error": False}),
+        ("POST", "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"], "trace_rate": "1"}),
+        ("POST", "/v2/repository/models/llm/unload", {}),
+    ]
+    return [
+        Attack("baseline", lambda: time.sleep(3) or "nothing"),
+        Attack("10 MB prompt", lambda: grpc("word " * 2_000_000, {"max_tokens": 16})),
+        Attack(
+            "largest allowed stop list", lambda: grpc("Hello", {"max_tokens": 200, "ignore_eos": True, "stop": longest})
+        ),
+        Attack("one 5 MB stop string", lambda: grpc("Hello", {"max_tokens": 16, "stop": ["x" * 5_000_000]})),
+        Attack("top_p=1e-300", lambda: grpc("Hello", {"max_tokens": 16, "temperature": 1.0, "top_p": 1e-300})),
+        Attack(
+            "temperature 1e-300, huge top_k",
+            lambda: grpc("Hello", {"max_tokens": 16, "temperature": 1e-300, "top_k": 2**62}),
+        ),
+        Attack(
+            "ambiguous grammar, min_tokens",
+            lambda: grpc("Hello", {"max_tokens": 64, "min_tokens": 64, "structured_outputs": {"grammar": AMBIGUOUS}}),
+        ),  # fmt: skip
+        Attack(
+            "grammar that matches nothing",
+            lambda: grpc("Hello", {"max_tokens": 8, "structured_outputs": {"grammar": 'root ::= root "a"'}}),
+        ),  # fmt: skip
+        Attack("two 210 KB schemas, then a tiny one", tiny_schema_during_big_compiles),
+        Attack(
+            "OpenAI: 100 MB prompt",
+            lambda: openai_post(
+                api, "/v1/completions", {"model": "llm", "prompt": "word " * 20_000_000, "max_tokens": 4}
+            ),
+        ),  # fmt: skip
+        Attack(
+            "OpenAI: 4M token ids",
+            lambda: openai_post(api, "/v1/completions", {"model": "llm", "prompt": [7] * 4_000_000, "max_tokens": 4}),
+        ),  # fmt: skip
+        Attack(
+            "OpenAI: 600k chat messages",
+            lambda: openai_post(
+                api,
+                "/v1/chat/completions",
+                {"model": "llm", "messages": [{"role": "user", "content": "hi"}] * 600_000, "max_tokens": 4},
+            ),
+        ),  # fmt: skip
+        Attack(
+            "OpenAI: chat_template_kwargs.messages",
+            lambda: openai_post(
+                api,
+                "/v1/chat/completions",
+                {
+                    "model": "llm",
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 4,
+                    "chat_template_kwargs": {"messages": []},
+                },
+            ),
+        ),  # fmt: skip
+        Attack(
+            "Triton admin APIs, no secret",
+            lambda: [http(m, f"{http_url}{path}", json.dumps(b).encode())[0] for m, path, b in admin],
+        ),  # fmt: skip
+        Attack("kill -9 the engine process", kill_engine_core, in_flight_ok=True),
+        Attack("kill -9 the model's stub", kill_stub, in_flight_ok=True),
+    ]
 
 
-def run(url: str, server_pid: int | None, config: EngineConfig, repeats: int) -> dict:
-    from inflight_client import InferenceError, LLMClient
+# ---- the run ---------------------------------------------------------------------------------------------
 
-    client = LLMClient(url, timeout_s=120)
+
+def run(ctx: dict[str, Any], config: EngineConfig, only: list[str] | None) -> dict[str, Any]:
+    from inflight_client import InferenceError
+
+    client, launcher = ctx["client"], ctx["launcher"]
     client.generate("warm up", {"max_tokens": 4})
     results = {}
-    for name, (prompt, params) in [("baseline", (None, None)), *attacks(config).items()]:
+    for attack in attacks(ctx, config):
+        if only and attack.name != "baseline" and not any(o.lower() in attack.name.lower() for o in only):
+            continue
         ttfts: list[float] = []
+        failures: list[str] = []
         stop = threading.Event()
 
-        def normal(ttfts: list[float] = ttfts, stop: threading.Event = stop) -> None:
+        def normal(ttfts=ttfts, failures=failures, stop=stop) -> None:
             while not stop.is_set():
-                done = client.generate("The quick brown fox", {"max_tokens": 8, "temperature": 0})
-                if done.ttft_s is not None:
-                    ttfts.append(done.ttft_s)
+                try:
+                    done = client.generate("The quick brown fox", {"max_tokens": 8, "temperature": 0})
+                    if done.ttft_s is not None:
+                        ttfts.append(done.ttft_s)
+                except InferenceError as e:
+                    failures.append(e.message[:80])
+                    time.sleep(0.1)
 
+        before = rss_mb(descendants(launcher.pid))
         watcher = threading.Thread(target=normal, daemon=True)
         watcher.start()
-        outcome = []
         started = time.monotonic()
-        for _ in range(repeats if prompt is not None else 0):
-            try:
-                done = client.generate(prompt, params)
-                outcome.append(f"ok ({done.num_output_tokens} tokens)")
-            except InferenceError as e:
-                outcome.append(e.message[:160])
-        if prompt is None:
-            time.sleep(3)
-        time.sleep(0.5)  # normal requests after the attack too
+        try:
+            got = attack.fn()
+        except Exception as e:  # the driver's own failure is a finding too
+            got = f"driver error: {e!r}"[:200]
+        elapsed = time.monotonic() - started
+        time.sleep(1.0)  # normal requests after the attack too
         stop.set()
         watcher.join()
-        rss, hwm = stub_memory_mb(server_pid) if server_pid else (None, None)
-        results[name] = {
-            "normal_ttft_max_s": max(ttfts) if ttfts else None,
-            "normal_ttft_p50_s": statistics.median(ttfts) if ttfts else None,
+        time.sleep(1.0)
+        after = rss_mb(descendants(launcher.pid))
+        row = {
+            "attacker_got": got if isinstance(got, str) else repr(got),
+            "attack_s": round(elapsed, 2),
+            "normal_ttft_max_s": round(max(ttfts), 3) if ttfts else None,
+            "normal_ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
             "normal_requests": len(ttfts),
-            "attack_s": time.monotonic() - started,
-            "attacker_got": sorted(set(outcome)),
-            "stub_rss_mb": rss,
-            "stub_peak_rss_mb": hwm,
+            "normal_failures": len(failures),
+            "memory_mb_before": round(before),
+            "memory_mb_after": round(after),
         }
+        ok_ttft = row["normal_ttft_max_s"] is not None and row["normal_ttft_max_s"] < TTFT_LIMIT_S
+        ok_memory = after <= before * (1 + MEMORY_SLACK)
+        row["met"] = bool((ok_ttft or attack.in_flight_ok) and ok_memory and (attack.in_flight_ok or not failures))
+        results[attack.name] = row
         print(
-            f"{name:<30} TTFT max {results[name]['normal_ttft_max_s']:.3f} s, RSS {rss} MB (peak {hwm}): "
-            f"{results[name]['attacker_got']}",
+            f"{'ok  ' if row['met'] else 'MISS'} {attack.name:<38} TTFT max {row['normal_ttft_max_s']} s "
+            f"(p50 {row['normal_ttft_p50_s']}, {len(failures)} failed), memory {before:.0f} -> {after:.0f} MB, "
+            f"{elapsed:.1f} s: {row['attacker_got'][:150]}",
             flush=True,
         )
     return results
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--repeats", type=int, default=3, help="attack requests per kind")
+    p.add_argument("--only", nargs="*", default=None, help="attacks whose name contains one of these words")
+    p.add_argument("--model", default="demo")
     p.add_argument("--out", type=Path, default=Path("loadtest/results"))
     args = p.parse_args(argv)
-    from inflight.demo_model import cached_demo_model
-    from inflight.launcher.server import TritonServer
+    from inflight_client import LLMClient
 
-    engine_args = {"max_num_seqs": 16, "max_model_len": 2048, "num_kv_blocks": 512}
-    config = EngineConfig(**engine_args)
+    from inflight.launcher.server import free_port
+
     args.out.mkdir(parents=True, exist_ok=True)
-    params = dict(engine_args, model=str(cached_demo_model()))
-    log = args.out / "hostile_tritonserver.log"
-    with TritonServer(parameters=params, http_port=0, grpc_port=0, metrics_port=0, log=log) as srv:
-        srv.wait_ready(timeout_s=300)
-        results = run(srv.grpc_url, srv.process.pid, config, args.repeats)
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
+    cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", args.model,
+           "--http-port", str(ports["http"]), "--grpc-port", str(ports["grpc"]),
+           "--metrics-port", str(ports["metrics"]), "--openai-port", str(ports["openai"]),
+           "--openai-host", "127.0.0.1"]  # fmt: skip
+    for k, v in ENGINE_ARGS.items():
+        cmd += [f"--{k.replace('_', '-')}", str(v)]
+    log = open(args.out / "hostile_server.log", "w")  # noqa: SIM115 - lives as long as the server
+    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        api = f"http://127.0.0.1:{ports['openai']}"
+        while http("GET", f"{api}/health", timeout=2)[0] != 200:
+            if launcher.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the server did not come up; see {args.out / 'hostile_server.log'}")
+            time.sleep(0.5)
+        ctx = {
+            "client": LLMClient(f"localhost:{ports['grpc']}", timeout_s=120),
+            "api": api,
+            "http": f"http://localhost:{ports['http']}",
+            "launcher": launcher,
+        }
+        results = run(ctx, EngineConfig(**ENGINE_ARGS), args.only)
+    finally:
+        launcher.send_signal(signal.SIGINT)
+        try:
+            launcher.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        log.close()
     (args.out / "hostile_input.json").write_text(json.dumps(results, indent=2))
+    missed = [name for name, row in results.items() if not row["met"]]
+    print(
+        f"{len(results) - len(missed)} of {len(results)} cases within bounds"
+        + (f"; missed: {missed}" if missed else "")
+    )
     return results
 
 
