@@ -318,7 +318,8 @@ def test_compile_timeout_counts_only_the_compile_not_the_queue(demo_model_dir, m
     manager = _engine(demo_model_dir).structured_outputs
     manager.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)  # the pool exists now
     gate = threading.Event()
-    busy = [manager._pool.submit(gate.wait) for _ in range(manager._max_workers)]  # other, slow compiles
+    pool = manager._lane(StructuredOutputsParams(regex="b+").key)  # small constraints' lane
+    busy = [pool.submit(gate.wait) for _ in range(pool._max_workers)]  # other, slow compiles
     try:
         queued = manager.request(StructuredOutputsParams(regex="b+"))
         monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.0)
@@ -338,7 +339,9 @@ def test_engine_close_shuts_the_compile_pool_down(demo_model_dir):
 
     engine = _engine(demo_model_dir)
     engine.structured_outputs.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)
-    workers = list(engine.structured_outputs._pool._threads)  # this engine's (other tests leave theirs)
+    engine.structured_outputs.request(StructuredOutputsParams(regex="a" * 5000)).future.result(timeout=60)
+    manager = engine.structured_outputs
+    workers = [*manager._pool._threads, *manager._small_pool._threads]  # this engine's (other tests leave theirs)
     assert workers and all(t in threading.enumerate() for t in workers)
     engine.close()
     for t in workers:
@@ -428,7 +431,6 @@ def test_json_rows_never_allow_raw_control_characters(demo_model_dir):
     assert raw_bits[tab], "the grammar itself allows a raw tab inside the bounded string"
     assert not bits[0, tab] and not bits[1, tab]  # masked in both modes: spaces and newlines remain whitespace
     assert bits[2, bell]  # a regex that asks for control characters gets them
-
 
 
 def test_a_grammar_that_allows_no_token_fails_only_its_request(demo_model_dir):

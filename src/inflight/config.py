@@ -69,6 +69,15 @@ class EngineConfig:
     max_prompt_bytes: int | None = None  # UTF-8 bytes; default: 16 per token of max_model_len
     max_sampling_parameters_bytes: int = 256 << 10  # the sampling_parameters JSON text
     max_json_depth: int = 64  # nesting of the sampling_parameters JSON (a JSON schema nests ~2 per level)
+    # Structured outputs (issue 27): a constraint's complexity before compiling (its text's bytes, its nesting:
+    # a 64 KiB JSON schema compiled in 0.5 s and held ~15 MB on SmolLM2's vocabulary, 210 KB in 4.3 s and ~75 MB),
+    # the bytes the compiled grammars cached may hold, and the engine-thread time one request's grammar
+    # matcher (bitmask fill + accept) may take for one token and in all.
+    max_grammar_spec_bytes: int = 64 << 10
+    max_grammar_depth: int = 32
+    max_grammar_cache_bytes: int = 256 << 20
+    max_grammar_step_time_s: float = 0.2
+    max_grammar_time_s: float = 5.0
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, allowed: str) -> None:
@@ -89,8 +98,18 @@ class EngineConfig:
         check(self.dtype in ("auto", *DTYPES), "dtype", f"one of auto, {', '.join(DTYPES)}")
         check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", " or ".join(SCHEDULING_POLICIES))
         check(self.kv_reservation in KV_RESERVATIONS, "kv_reservation", " or ".join(KV_RESERVATIONS))
-        for name in ("max_stop_strings", "max_stop_str_len", "max_sampling_parameters_bytes", "max_json_depth"):
+        for name in (
+            "max_stop_strings",
+            "max_stop_str_len",
+            "max_sampling_parameters_bytes",
+            "max_json_depth",
+            "max_grammar_spec_bytes",
+            "max_grammar_depth",
+            "max_grammar_cache_bytes",
+        ):
             check(getattr(self, name) >= 1, name, ">= 1")
+        for name in ("max_grammar_step_time_s", "max_grammar_time_s"):
+            check(getattr(self, name) > 0, name, "> 0")
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
         check(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes", ">= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))

@@ -19,7 +19,7 @@ from inflight.engine.kv_events import AllBlocksCleared, KVEventsConfig, ZmqEvent
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inflight.engine.stats import EngineSnapshot, StepStats
-from inflight.engine.structured_output import StructuredOutputManager
+from inflight.engine.structured_output import StructuredOutputManager, check_structured_outputs
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
 from inflight.model_source import resolve_model
@@ -85,7 +85,9 @@ class LLMEngine:
             enforce_eager=config.enforce_eager,
         )
         self.sampler = Sampler(mc.vocab_size, sorted(self.eos_token_ids))
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids))
+        self.structured_outputs = StructuredOutputManager(
+            self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids), config=config
+        )
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
         self._detoks: dict[str, IncrementalDetokenizer] = {}
@@ -316,6 +318,10 @@ class LLMEngine:
             if seq.structured is not None and not self.structured_outputs.accept(seq, tok):
                 outputs.append(self._grammar_rejected(seq, tok))
                 continue
+            if seq.structured is not None and (error := self.structured_outputs.over_budget(seq)) is not None:
+                self.scheduler.finish(seq, FinishReason.ABORT)  # its grammar would stall every other request
+                outputs.append(self._finish_output(seq, "", [], error=error))
+                continue
             new_lp = None
             if logprobs is not None and logprobs[i] is not None:
                 new_lp = [logprobs[i]]
@@ -438,6 +444,7 @@ def tokenize_prompt(tokenizer, prompt: str, max_prompt_bytes: int, max_model_len
 
 def check_params(cfg: EngineConfig, params: SamplingParams) -> None:
     """The engine's bounds on one request's parameters (the front of a server calls it too)."""
+    check_structured_outputs(cfg, params.structured_outputs)
     if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
         raise InvalidRequestError(
             f"logprobs={params.logprobs} is too large: the limit is max_logprobs={cfg.max_logprobs}"

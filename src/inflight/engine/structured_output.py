@@ -22,12 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from inflight.sampling_params import StructuredOutputsParams
+from inflight.sampling_params import InvalidRequestError, StructuredOutputsParams
 
 if TYPE_CHECKING:
     import xgrammar
     from tokenizers import Tokenizer
 
+    from inflight.config import EngineConfig
     from inflight.engine.sequence import Sequence
 
 log = logging.getLogger("inflight.engine.structured_output")
@@ -38,7 +39,9 @@ log = logging.getLogger("inflight.engine.structured_output")
 COMPILE_TIMEOUT_S = 60.0
 COMPILE_QUEUE_TIMEOUT_S = 300.0
 _CACHE_ENTRIES = 256
-GRAMMAR_CACHE_BYTES = 256 << 20  # xgrammar's own compiled-grammar cache (vLLM's default bound)
+# A constraint whose text is at most this many bytes compiles in a lane of its own (one worker), so that
+# a few big schemas filling the main pool never hold up the small ones most requests bring.
+SMALL_SPEC_BYTES = 4 << 10
 
 
 class GrammarCompileError(Exception):
@@ -54,6 +57,10 @@ class StructuredRequest:
     submitted: float = field(default_factory=time.monotonic)
     matcher: xgrammar.GrammarMatcher | None = None
     _why_cancelled: str | None = None
+    # Time the engine thread spent in this request's matcher (bitmask fill + accept): in total, and for the
+    # token of the current step (the fill starts a step's account). Bounded by max_grammar_*time_s.
+    matcher_time_s: float = 0.0
+    step_time_s: float = 0.0
 
     @property
     def is_ready(self) -> bool:
@@ -77,7 +84,9 @@ class StructuredRequest:
         now = time.monotonic()
         started = getattr(self.future, "started", None)  # [start time] once a pool thread runs the compile
         if started:
-            if now - started[0] > COMPILE_TIMEOUT_S:
+            # A request that joins a compile already running (an earlier request's, cached) waits its own
+            # COMPILE_TIMEOUT_S for it rather than starting a second compile of the same grammar.
+            if now - max(started[0], self.submitted) > COMPILE_TIMEOUT_S:
                 self.future.cancel()  # no effect on a running compile: it finishes unused
                 return timeout
         elif now - self.submitted > COMPILE_QUEUE_TIMEOUT_S:
@@ -106,19 +115,30 @@ class _Compiled:
 class StructuredOutputManager:
     """Owns the compiler (built lazily, on the first constraint), the compile cache and the pool."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], max_workers: int = 2):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_workers: int = 2,
+        config: EngineConfig | None = None,
+    ):
+        from inflight.config import EngineConfig
+
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
         self._max_workers = max_workers
+        self.config = config if config is not None else EngineConfig(device="cpu")
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._small_pool: cf.ThreadPoolExecutor | None = None  # the lane of small constraints
+        self._cache_bytes: dict[tuple, int] = {}  # compiled grammars' sizes, once known
         self._compiler: xgrammar.GrammarCompiler | None = None
         self._json_allowed: dict[bool, torch.Tensor] = {}
         self._compiler_lock = threading.Lock()
         self._cache: OrderedDict[tuple, cf.Future] = OrderedDict()
         self._pending: list[Sequence] = []  # sequences whose grammar is not compiled yet
         self._bitmask: torch.Tensor | None = None
-        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
 
     # ---- compiling (the pool's threads) ------------------------------------------------------------
 
@@ -129,19 +149,49 @@ class StructuredOutputManager:
         if fut is not None:
             self._cache.move_to_end(key)
         else:
-            if self._pool is None:
-                self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="inflight-grammar")
             started: list[float] = []  # set by the pool thread when the compile begins
-            fut = self._cache[key] = self._pool.submit(self._compile, params, started)
+            fut = self._cache[key] = self._lane(key).submit(self._compile, params, started)
             fut.started = started  # type: ignore[attr-defined]
-            while len(self._cache) > _CACHE_ENTRIES:
-                self._cache.popitem(last=False)
+            self._evict()
         return StructuredRequest(params, fut)
+
+    def _lane(self, key: tuple) -> cf.ThreadPoolExecutor:
+        """The pool a constraint compiles in: small ones (most requests) have a worker of their own."""
+        if len(key[1]) <= SMALL_SPEC_BYTES:
+            if self._small_pool is None:
+                self._small_pool = cf.ThreadPoolExecutor(1, thread_name_prefix="inflight-grammar-small")
+            return self._small_pool
+        if self._pool is None:
+            self._pool = cf.ThreadPoolExecutor(self._max_workers, thread_name_prefix="inflight-grammar")
+        return self._pool
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes held by the compiled grammars in the cache (xgrammar's estimate), as of the last eviction."""
+        return sum(self._cache_bytes.values())
+
+    def _evict(self) -> None:
+        """Drop least recently used compiled grammars past max_grammar_cache_bytes (or _CACHE_ENTRIES). A
+        compile still queued or running stays: its requests wait for it, and a retry must join it."""
+        for key, fut in self._cache.items():
+            if key not in self._cache_bytes and fut.done():
+                self._cache_bytes[key] = _compiled_bytes(fut)
+        limit = self.config.max_grammar_cache_bytes
+        total = sum(self._cache_bytes.values())
+        for key in list(self._cache):
+            if total <= limit and len(self._cache) <= _CACHE_ENTRIES:
+                break
+            if not self._cache[key].done():
+                continue
+            del self._cache[key]
+            total -= self._cache_bytes.pop(key, 0)
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         with self._compiler_lock:
             if self._compiler is None:
-                compiler, info = _make_compiler(self._tokenizer, self.vocab_size, self._stop_token_ids)
+                compiler, info = _make_compiler(
+                    self._tokenizer, self.vocab_size, self._stop_token_ids, self.config.max_grammar_cache_bytes
+                )
                 self._json_allowed = _json_allowed_words(info.decoded_vocab, self.vocab_size)
                 self._compiler = compiler
             return self._compiler
@@ -192,8 +242,10 @@ class StructuredOutputManager:
             err = seq.structured.error()
             if err is not None:
                 failed.append((seq, err))
-                if not seq.structured.future.done() or seq.structured.future.cancelled():
-                    # A timeout is not a verdict on the grammar: a later request compiles it afresh.
+                if seq.structured.future.cancelled():
+                    # Dropped before it began (queued too long): no verdict on the grammar, a later request
+                    # compiles it afresh. A compile that runs past its timeout stays cached until it ends (it
+                    # cannot be stopped): a retry joins it instead of starting a second one.
                     key = seq.structured.params.key
                     if self._cache.get(key) is seq.structured.future:
                         del self._cache[key]
@@ -218,19 +270,20 @@ class StructuredOutputManager:
         rows = [i for i, s in enumerate(seqs) if s.structured is not None]
         if not rows:
             return None
-        import xgrammar as xgr
-
         words = -(-self.vocab_size // 32)
         if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
             self._bitmask = torch.empty((2 * len(seqs), words), dtype=torch.int32)
         bitmask = self._bitmask[: len(seqs)]
-        matchers = [seqs[i].structured.get_matcher() for i in rows]
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        else:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        # One row at a time, timed: a request's matcher time is its own (max_grammar_*time_s). (xgrammar's
+        # batch fill spreads rows over threads but cannot say which row took the time.)
+        for i in rows:
+            structured = seqs[i].structured
+            matcher = structured.get_matcher()
+            t0 = time.perf_counter()
+            matcher.fill_next_token_bitmask(bitmask, i)
+            dt = time.perf_counter() - t0
+            structured.step_time_s = dt
+            structured.matcher_time_s += dt
         groups: dict[int, tuple[torch.Tensor, list[int]]] = {}  # at most two distinct rows (JSON masks)
         for i in rows:
             allowed = seqs[i].structured.allowed_words
@@ -243,7 +296,37 @@ class StructuredOutputManager:
     @staticmethod
     def accept(seq: Sequence, token_id: int) -> bool:
         """Advance the sequence's matcher; False if the grammar rejects the token (a masking bug)."""
-        return seq.structured.get_matcher().accept_token(token_id)
+        structured = seq.structured
+        matcher = structured.get_matcher()
+        t0 = time.perf_counter()
+        ok = matcher.accept_token(token_id)
+        dt = time.perf_counter() - t0
+        structured.step_time_s += dt
+        structured.matcher_time_s += dt
+        return ok
+
+    def over_budget(self, seq: Sequence) -> str | None:
+        """Why the sequence's grammar work must stop (after its accept): one token's matcher work over
+        max_grammar_step_time_s, or the request's over max_grammar_time_s. An ambiguous grammar (nested
+        repetitions: `root ::= (x)*`, `x ::= "a"*`) makes each token cost more than the last; the engine
+        thread runs it, so every other request waits as long."""
+        structured, cfg = seq.structured, self.config
+        if structured is None:
+            return None
+        kind = structured.params.kind
+        if structured.step_time_s > cfg.max_grammar_step_time_s:
+            return (
+                f"structured_outputs.{kind}: the grammar took {structured.step_time_s:.3f}s of matcher work for "
+                f"one token: the limit is max_grammar_step_time_s={cfg.max_grammar_step_time_s} (an ambiguous "
+                "grammar, e.g. nested repetitions, grows slower with each token; simplify it)"
+            )
+        if structured.matcher_time_s > cfg.max_grammar_time_s:
+            return (
+                f"structured_outputs.{kind}: the grammar took {structured.matcher_time_s:.3f}s of matcher work "
+                f"over {len(seq.output_token_ids)} tokens: the limit is max_grammar_time_s={cfg.max_grammar_time_s} "
+                "per request"
+            )
+        return None
 
     def allows_no_token(self, seq: Sequence) -> bool:
         """True if the sequence's grammar allows no token here: it compiled, but no string matches it."""
@@ -257,8 +340,64 @@ class StructuredOutputManager:
     def close(self) -> None:
         """Drop queued compiles and let the pool's threads end (a running compile finishes first: it
         cannot be interrupted). The manager compiles nothing after this."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._small_pool):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compiled_bytes(fut: cf.Future) -> int:
+    """A finished compile's memory (xgrammar's estimate of the compiled grammar; a failure holds ~nothing)."""
+    if fut.cancelled() or fut.exception() is not None:
+        return 0
+    return int(fut.result().grammar.memory_size_bytes)
+
+
+def _spec_depth(kind: str, spec: Any) -> int:
+    """How deep a constraint nests: objects/arrays of a JSON schema; brackets of a regex or EBNF grammar."""
+    if kind == "json":
+        depth, stack = 0, [(spec, 1)]
+        while stack:
+            value, d = stack.pop()
+            if isinstance(value, (dict, list)):
+                depth = max(depth, d)
+                stack += [(v, d + 1) for v in (value.values() if isinstance(value, dict) else value)]
+        return depth
+    if kind in ("regex", "grammar"):
+        depth = deepest = 0
+        escaped = False
+        for ch in spec:  # a bracket inside a string literal counts too: an over-estimate, never an under
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch in "([{":
+                depth += 1
+                deepest = max(deepest, depth)
+            elif ch in ")]}":
+                depth = max(0, depth - 1)
+        return deepest
+    return 1
+
+
+def check_structured_outputs(cfg: EngineConfig, params: StructuredOutputsParams | None) -> None:
+    """The complexity budget of a constraint, checked before it is compiled (the front checks it too): its
+    text's bytes and its nesting depth. A compile's time and memory grow with both."""
+    if params is None:
+        return
+    kind = params.kind
+    text = params.key[1]
+    size = len(text.encode("utf-8"))
+    if size > cfg.max_grammar_spec_bytes:
+        raise InvalidRequestError(
+            f"structured_outputs.{kind} is {size} bytes: the limit is max_grammar_spec_bytes="
+            f"{cfg.max_grammar_spec_bytes}"
+        )
+    depth = _spec_depth(kind, getattr(params, kind))
+    if depth > cfg.max_grammar_depth:
+        raise InvalidRequestError(
+            f"structured_outputs.{kind} nests {depth} levels deep: the limit is max_grammar_depth="
+            f"{cfg.max_grammar_depth}"
+        )
 
 
 def _strip_location(reason: str) -> str:
@@ -269,7 +408,7 @@ def _strip_location(reason: str) -> str:
 
 
 def _make_compiler(
-    tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]
+    tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], cache_bytes: int = 256 << 20
 ) -> tuple[xgrammar.GrammarCompiler, xgrammar.TokenizerInfo]:
     import os
 
@@ -296,10 +435,8 @@ def _make_compiler(
         add_prefix_space=detected.add_prefix_space,
     )
     # Bounded: by default xgrammar caches every grammar it ever compiled, so distinct user schemas would grow
-    # memory without limit (our own constraint-keyed cache above it is bounded by entries).
-    compiler = xgr.GrammarCompiler(
-        info, max_threads=max(1, min(8, os.cpu_count() or 1)), cache_limit_bytes=GRAMMAR_CACHE_BYTES
-    )
+    # memory without limit. Our constraint-keyed cache above it holds the same objects, bounded by the same bytes.
+    compiler = xgr.GrammarCompiler(info, max_threads=max(1, min(8, os.cpu_count() or 1)), cache_limit_bytes=cache_bytes)
     return compiler, info
 
 

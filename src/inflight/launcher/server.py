@@ -28,13 +28,21 @@ from tritonclient.grpc import model_config_pb2
 
 from inflight.launcher.triton_dist import LauncherError, find_server, prepare_backends, server_env
 
-__all__ = ["LauncherError", "TritonServer", "free_port", "serve", "write_model_repository"]
+__all__ = ["LauncherError", "StubWatch", "TritonServer", "free_port", "serve", "write_model_repository"]
 
 MODEL_NAME = "llm"
 # `serve` checks the model's readiness this often and exits after this many failures in a row.
 MODEL_CHECK_INTERVAL_S = 1.0
 MODEL_CHECKS_BEFORE_EXIT = 3
 MODEL_GONE_EXIT_CODE = 3
+# A dead backend stub (killed, OOM) leaves the model READY while every request fails ("Stub process is not
+# healthy"): `serve` reloads the model (a fresh stub and engine) at most this many times in STUB_RESTART_WINDOW_S,
+# then exits with STUB_DEAD_EXIT_CODE.
+STUB_RESTARTS = 3
+STUB_RESTART_WINDOW_S = 600.0
+STUB_DEAD_EXIT_CODE = 4
+STUB_RELOAD_TIMEOUT_S = 600.0
+_SHM_DIR = Path("/dev/shm")
 _REPOSITORY_KEY = "inflight-repository-key"
 _ADMIN_APIS = "model-repository,shared-memory,logging,trace"
 
@@ -116,6 +124,9 @@ class TritonServer:
         self.exit_timeout_s = exit_timeout_s
         self.extra_args = list(extra_args or [])
         self._repository_secret = secrets.token_hex(16)
+        # The Python backend's shared-memory regions carry this launch's prefix, so that the ones a dead stub
+        # leaves behind can be removed when the server stops (and no other server's).
+        self.shm_prefix = f"triton_python_backend_shm_region_inflight{secrets.token_hex(4)}_"
         self.dist = find_server(tritonserver)
         self.process: subprocess.Popen | None = None
         self.run_dir: Path | None = None
@@ -151,6 +162,7 @@ class TritonServer:
             # registration, log and trace settings), to a header only this launch knows.
             f"--http-restricted-api={_ADMIN_APIS}:{_REPOSITORY_KEY}={self._repository_secret}",
             f"--grpc-restricted-protocol={_ADMIN_APIS}:{_REPOSITORY_KEY}={self._repository_secret}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--exit-timeout-secs={self.exit_timeout_s}",
             f"--log-verbose={self.log_verbose}",
             *self.extra_args,
@@ -214,6 +226,37 @@ class TritonServer:
             return None
         return next((m.get("state") for m in index if m.get("name") == model), "UNAVAILABLE")
 
+    def load_model(self, model: str = MODEL_NAME, timeout_s: float = STUB_RELOAD_TIMEOUT_S) -> str | None:
+        """(Re)load `model` through the repository API (a loaded model is replaced by a fresh copy once the
+        new one is ready); None on success, else the error."""
+        request = urllib.request.Request(
+            f"{self.http_url}/v2/repository/models/{model}/load",
+            data=b"{}",
+            headers={_REPOSITORY_KEY: self._repository_secret, "Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s):
+                return None
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
+        except (urllib.error.URLError, OSError) as e:
+            return str(e)
+
+    def stub_pids(self) -> dict[int, bool]:
+        """tritonserver's Python backend stubs: {pid: alive}. A killed stub stays a zombie child (tritonserver
+        does not reap it), so it is found dead rather than gone."""
+        if self.process is None:
+            return {}
+        return {pid: alive for pid, name, alive in _children(self.process.pid) if name.startswith("triton_python")}
+
+    def shm_regions(self) -> list[Path]:
+        """This launch's Python-backend shared-memory regions in /dev/shm."""
+        try:
+            return sorted(_SHM_DIR.glob(self.shm_prefix + "*"))
+        except OSError:
+            return []
+
     def _tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.is_file():
             return ""
@@ -240,6 +283,12 @@ class TritonServer:
         return code
 
     def _cleanup(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            # A stub killed with SIGKILL cannot unlink its region (hundreds of MB of /dev/shm); the server is
+            # gone now, so whatever carries this launch's prefix is garbage.
+            for region in self.shm_regions():
+                with contextlib.suppress(OSError):
+                    region.unlink()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -252,6 +301,74 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _children(pid: int) -> list[tuple[int, str, bool]]:
+    """(pid, command name, alive) of `pid`'s child processes, read from /proc (Linux); alive = not a zombie."""
+    found = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, the last ')' ends it
+        name = stat[stat.find("(") + 1 : stat.rfind(")")]
+        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
+        if int(ppid) == pid:
+            found.append((int(entry), name, state not in ("Z", "X")))
+    return found
+
+
+class StubWatch:
+    """Notices the model's backend stub dying under a READY model, and reloads the model (bounded)."""
+
+    def __init__(self, server: TritonServer) -> None:
+        self.server = server
+        self.known_dead: set[int] = set()
+        self.restarts: list[float] = []
+
+    def newly_dead(self) -> list[int]:
+        dead = [pid for pid, alive in self.server.stub_pids().items() if not alive and pid not in self.known_dead]
+        self.known_dead.update(dead)
+        return dead
+
+    def check(self) -> int | None:
+        """Reload the model if a stub died; None while serving, else the exit code `serve` should return."""
+        dead = self.newly_dead()
+        if not dead or self.server.model_state() != "READY":  # a model unloading itself is not a crash
+            return None
+        now = time.monotonic()
+        self.restarts = [t for t in self.restarts if now - t < STUB_RESTART_WINDOW_S] + [now]
+        if len(self.restarts) > STUB_RESTARTS:
+            _say(
+                f"model {MODEL_NAME!r}: its Python backend stub (pid {', '.join(map(str, dead))}) died again, "
+                f"{len(self.restarts)} times in {STUB_RESTART_WINDOW_S:.0f}s; stopping with exit code "
+                f"{STUB_DEAD_EXIT_CODE}"
+            )
+            return STUB_DEAD_EXIT_CODE
+        _say(
+            f"model {MODEL_NAME!r}: its Python backend stub (pid {', '.join(map(str, dead))}) died (killed?); requests "
+            "fail until it is back: reloading the model"
+        )
+        started = time.monotonic()
+        error = self.server.load_model()
+        if error is not None:
+            _say(f"model {MODEL_NAME!r} could not be reloaded ({error}); stopping with exit code {STUB_DEAD_EXIT_CODE}")
+            return STUB_DEAD_EXIT_CODE
+        self.known_dead.update(pid for pid, alive in self.server.stub_pids().items() if not alive)
+        _say(f"model {MODEL_NAME!r} reloaded in {time.monotonic() - started:.1f}s")
+        return None
+
+
+def _say(message: str) -> None:
+    print(f"inflight: {message}", file=sys.stderr, flush=True)
 
 
 def _die_with_parent() -> None:
@@ -304,9 +421,13 @@ def serve(
         # readiness may stay true), so the model's own readiness is what says this process is still useful.
         # Loading (which may take minutes) is not gone; a failed load ends tritonserver itself.
         unready, model_gone, next_check = 0, False, time.monotonic() + MODEL_CHECK_INTERVAL_S
+        stubs, exit_code = StubWatch(server), None
         while not stop_requested and server.process is not None and server.process.poll() is None:
             time.sleep(0.2)
             if time.monotonic() >= next_check:
+                exit_code = stubs.check()
+                if exit_code is not None:
+                    break
                 next_check = time.monotonic() + MODEL_CHECK_INTERVAL_S
                 unready = unready + 1 if server.model_state() in ("UNLOADING", "UNAVAILABLE") else 0
                 model_gone = unready >= MODEL_CHECKS_BEFORE_EXIT
@@ -324,6 +445,8 @@ def serve(
             api.stop()
             api = None
         code = server.stop()
+        if exit_code is not None:
+            return exit_code
         if model_gone:
             return MODEL_GONE_EXIT_CODE
         return 0 if stop_requested else (code or 0)
