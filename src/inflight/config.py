@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -42,6 +43,75 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # a verification chunk of k+1 tokens; more costs compute that is rarely accepted
+MAX_PROMPT_LOOKUP = 64
+
+
+@dataclass
+class SpeculativeConfig:
+    """Draft-free speculative decoding (vLLM's `speculative_config` names). `prompt_lookup_min/max` default
+    to each other, both to 5 when neither is given (as vLLM)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # No drafts while more than this many sequences run: a large step is compute-bound, drafts cost more
+    # than they save there.
+    disable_by_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ConfigError:
+            return ConfigError(f"speculative_config.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+
+        if self.method not in SPEC_METHODS:
+            raise bad("method", " or ".join(repr(m) for m in SPEC_METHODS))
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(name, "an integer")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"in [1, {MAX_SPECULATIVE_TOKENS}]")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if not 1 <= getattr(self, name) <= MAX_PROMPT_LOOKUP:
+                raise bad(name, f"in [1, {MAX_PROMPT_LOOKUP}]")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"<= prompt_lookup_max={self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise bad("disable_by_batch_size", ">= 1")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (the CLI flag, the config.pbtxt parameter); None, "" or {} is off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON ({e}): {value[:200]!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object (a dict), not {type(value).__name__}")
+        if not value:
+            return None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ConfigError("speculative_config.num_speculative_tokens is required")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64
@@ -59,6 +129,8 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: launch every decode step's kernels from Python instead of CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
+    # Speculative decoding (off when None): a dict or its JSON text, held as a SpeculativeConfig once checked.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Bounds on what one request may cost (errors name the field and the limit).
     max_logprobs: int = 20  # most top logprobs per token a request may ask for (vLLM's default)
     max_stop_strings: int = 64
@@ -91,6 +163,7 @@ class EngineConfig:
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
         check(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes", ">= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.attention_backend == "triton" and not self.device.startswith("cuda") and not _triton_interpreted():
