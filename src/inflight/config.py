@@ -73,15 +73,15 @@ class SpeculativeConfig:
                 raise bad(name, "an integer")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise bad("num_speculative_tokens", f"in [1, {MAX_SPECULATIVE_TOKENS}]")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None and not 1 <= getattr(self, name) <= MAX_PROMPT_LOOKUP:
+                raise bad(name, f"in [1, {MAX_PROMPT_LOOKUP}]")
         if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
             self.prompt_lookup_max = self.prompt_lookup_min = 5
         elif self.prompt_lookup_min is None:
             self.prompt_lookup_min = self.prompt_lookup_max
         elif self.prompt_lookup_max is None:
             self.prompt_lookup_max = self.prompt_lookup_min
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
-            if not 1 <= getattr(self, name) <= MAX_PROMPT_LOOKUP:
-                raise bad(name, f"in [1, {MAX_PROMPT_LOOKUP}]")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"<= prompt_lookup_max={self.prompt_lookup_max}")
         if self.disable_by_batch_size < 1:
