@@ -131,7 +131,8 @@ def test_speculative_config_from_the_cli_and_config_pbtxt(monkeypatch):
         parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 0}'])
     settings = ServerSettings.from_parameters({"model": "demo", "speculative_config": json.dumps(NGRAM)})
     assert settings.engine_config.speculative_config.prompt_lookup_max == 3
-    assert ServerSettings.from_parameters({"model": "demo", "speculative_config": ""}).engine_config.speculative_config is None
+    off = ServerSettings.from_parameters({"model": "demo", "speculative_config": ""})
+    assert off.engine_config.speculative_config is None
 
 
 # ---- verification through the engine -----------------------------------------------------------------------
@@ -198,6 +199,7 @@ def test_ngram_greedy_output_is_identical(demo_model_dir, dtype):
         assert got == ref
     c = engine.spec_decode_counters
     assert c["spec_decode_num_drafts"] > 0 and c["spec_decode_num_draft_tokens"] >= c["spec_decode_num_drafts"]
+    assert c["spec_decode_num_accepted_tokens"] > 0  # the random model repeats itself now and then
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -393,3 +395,54 @@ def test_engine_snapshot_carries_the_counters(demo_model_dir):
     back = msgspec.msgpack.Decoder(wire.FromCore).decode(raw)
     assert back.snapshot.spec_decode_num_drafts == 3
     assert back.snapshot.spec_decode_num_accepted_tokens_per_pos == (2, 1, 0, 0)
+
+
+def test_triton_metrics_export_the_counters(demo_model_dir):
+    import dataclasses
+
+    from inflight.serving.metrics import TritonMetrics
+
+    class Metric:
+        def __init__(self, labels):
+            self.labels, self.value = labels, 0
+
+        def increment(self, n):
+            self.value += n
+
+        def set(self, v):
+            self.value = v
+
+        def observe(self, v):
+            pass
+
+    class MetricFamily:
+        GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+        families: dict = {}
+
+        def __init__(self, name, description, kind):
+            self.name, self.metrics = name, []
+            MetricFamily.families[name] = self
+
+        def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
+            m = Metric(labels)
+            self.metrics.append(m)
+            return m
+
+    pb = type("pb_utils", (), {"MetricFamily": MetricFamily})
+    metrics = TritonMetrics(pb, {"model": "llm"})
+    engine = LLMEngine(demo_model_dir, EngineConfig(dtype="float32", num_kv_blocks=64, speculative_config=NGRAM))
+    snap = dataclasses.replace(
+        engine.snapshot(),
+        spec_decode_num_drafts=5,
+        spec_decode_num_draft_tokens=12,
+        spec_decode_num_accepted_tokens=4,
+        spec_decode_num_accepted_tokens_per_pos=(3, 1, 0, 0),
+    )
+    metrics.update(snap)
+    metrics.update(snap)  # counters count once
+    fam = MetricFamily.families
+    assert fam["vllm:spec_decode_num_drafts_total"].metrics[0].value == 5
+    assert fam["vllm:spec_decode_num_draft_tokens_total"].metrics[0].value == 12
+    assert fam["vllm:spec_decode_num_accepted_tokens_total"].metrics[0].value == 4
+    per_pos = fam["vllm:spec_decode_num_accepted_tokens_per_pos_total"].metrics
+    assert [(m.labels["position"], m.value) for m in per_pos] == [("0", 3), ("1", 1), ("2", 0), ("3", 0)]
