@@ -40,6 +40,15 @@ class NgramIndex:
         self.num_tokens = n
 
 
+def _rfind_aligned(buf: bytes | bytearray, pattern: bytes, stop: int) -> int:
+    """Start of the last token-aligned occurrence of `pattern` ending at or before byte `stop`, or -1."""
+    while True:
+        at = buf.rfind(pattern, 0, stop)
+        if at < 0 or at % _ITEM == 0:  # a byte-level match across token boundaries is not a token match
+            return at
+        stop = at + len(pattern) - 1
+
+
 def propose(buf: bytes | bytearray, num_tokens: int, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens following the most recent earlier occurrence of the last n tokens, for the largest n in
     [min_n, max_n] that occurs; [] when none does."""
@@ -47,19 +56,19 @@ def propose(buf: bytes | bytearray, num_tokens: int, min_n: int, max_n: int, k: 
         return []
     view = memoryview(buf)
     end = num_tokens * _ITEM
-    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
-        pattern = bytes(view[end - n * _ITEM : end])
-        # The match must end before the last token (so at least one token follows it).
-        stop = end - _ITEM
-        while True:
-            at = buf.rfind(pattern, 0, stop)
-            if at < 0:
-                break
-            if at % _ITEM == 0:  # a byte-level match across token boundaries is not a token match
-                first = at + n * _ITEM
-                return np.frombuffer(view[first : min(first + k * _ITEM, end)], dtype=np.int32).tolist()
-            stop = at + len(pattern) - 1
-    return []
+    stop = end - _ITEM  # the match must end before the last token (so at least one token follows it)
+    # Upward from min_n: an n-gram that does not occur has no longer one that does, so the usual case (no
+    # match) costs one search.
+    best_n, best_at = 0, -1
+    for n in range(min_n, min(max_n, num_tokens - 1) + 1):
+        at = _rfind_aligned(buf, bytes(view[end - n * _ITEM : end]), stop)
+        if at < 0:
+            break
+        best_n, best_at = n, at
+    if best_at < 0:
+        return []
+    first = best_at + best_n * _ITEM
+    return np.frombuffer(view[first : min(first + k * _ITEM, end)], dtype=np.int32).tolist()
 
 
 class NgramProposer:
