@@ -79,9 +79,19 @@ class LLMEngine:
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Sequence] = []
         self.last_step_stats: StepStats | None = None
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.counters = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "preemptions": 0,
+            "steps": 0,
+            # vLLM's spec_decode counters (accepted drafts per position: a list of num_speculative_tokens)
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
+            "spec_decode_num_accepted_tokens_per_pos": [],
+        }
         spec = config.speculative_config
-        self.spec_decoder = SpecDecoder(spec, self.max_model_len) if spec is not None else None
+        self.spec_decoder = SpecDecoder(spec, self.max_model_len, self.counters) if spec is not None else None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -192,20 +202,13 @@ class LLMEngine:
 
     @property
     def spec_decode_counters(self) -> dict[str, int | tuple[int, ...]]:
-        """vLLM's spec_decode counters (all 0 when speculation is off)."""
-        sd = self.spec_decoder
-        if sd is None:
-            return {
-                "spec_decode_num_drafts": 0,
-                "spec_decode_num_draft_tokens": 0,
-                "spec_decode_num_accepted_tokens": 0,
-                "spec_decode_num_accepted_tokens_per_pos": (),
-            }
+        """vLLM's spec_decode counters (all 0 when speculation is off), per position as a tuple."""
+        c = self.counters
         return {
-            "spec_decode_num_drafts": sd.num_drafts,
-            "spec_decode_num_draft_tokens": sd.num_draft_tokens,
-            "spec_decode_num_accepted_tokens": sd.num_accepted_tokens,
-            "spec_decode_num_accepted_tokens_per_pos": tuple(sd.num_accepted_tokens_per_pos),
+            "spec_decode_num_drafts": c["spec_decode_num_drafts"],
+            "spec_decode_num_draft_tokens": c["spec_decode_num_draft_tokens"],
+            "spec_decode_num_accepted_tokens": c["spec_decode_num_accepted_tokens"],
+            "spec_decode_num_accepted_tokens_per_pos": tuple(c["spec_decode_num_accepted_tokens_per_pos"]),
         }
 
     def snapshot(self) -> EngineSnapshot:
@@ -250,11 +253,12 @@ class LLMEngine:
             return outputs
         num_running = len(self.scheduler.running)
         spec = sched.spec_token_ids or [[]] * len(sched.seqs)
-        num_decode = sum(
-            1
+        decode = [
+            n
             for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, spec)
             if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
-        )
+        ]
+        num_decode = (len(decode), sum(decode))  # sequences, tokens (a verifying one's drafts too)
         parts, failed = self._run_isolating(sched)
         if len(failed) > 1 and not parts:  # every sequence failed: the engine's failure, not theirs
             raise failed[0][1]
@@ -456,7 +460,9 @@ class LLMEngine:
         seq.structured = None  # the matcher goes with the request
         return self._output(seq, text, new_tokens, new_lp, finished=True, error=error, error_kind=error_kind)
 
-    def _record_stats(self, sched, num_running: int, num_decode: int, t0: float, forward_time: float) -> None:
+    def _record_stats(
+        self, sched, num_running: int, num_decode: tuple[int, int], t0: float, forward_time: float
+    ) -> None:
         arrivals = [s.arrival_time for s in sched.seqs]
         self.counters["steps"] += 1
         self.last_step_stats = StepStats(
@@ -465,8 +471,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_scheduled_seqs=len(sched.seqs),
             num_scheduled_tokens=sched.total_tokens,
-            num_prefill_tokens=sched.total_tokens - num_decode,
-            num_decode_seqs=num_decode,
+            num_prefill_tokens=sched.total_tokens - num_decode[1],
+            num_decode_seqs=num_decode[0],
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_kv_blocks_cached=self.block_manager.num_cached_blocks,

@@ -34,17 +34,20 @@ class _SeqState:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, counters: dict | None = None) -> None:
+        """`counters`: where vLLM's spec_decode counters go (the engine's `counters`)."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         self._state: dict[Sequence, _SeqState] = {}
-        # vLLM's spec_decode counters.
-        self.num_drafts = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_accepted_tokens_per_pos = [0] * self.k
+        self.counters = counters if counters is not None else {}
+        self.counters.update(
+            spec_decode_num_drafts=0,
+            spec_decode_num_draft_tokens=0,
+            spec_decode_num_accepted_tokens=0,
+            spec_decode_num_accepted_tokens_per_pos=[0] * self.k,
+        )
 
     @staticmethod
     def can_speculate(seq: Sequence) -> bool:
@@ -77,11 +80,13 @@ class SpecDecoder:
             seq.spec_token_ids = self.proposer.propose(seq, seq.prompt_token_ids, seq.output_token_ids, room)
 
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_tokens += num_accepted
+        c = self.counters
+        c["spec_decode_num_drafts"] += 1
+        c["spec_decode_num_draft_tokens"] += num_drafts
+        c["spec_decode_num_accepted_tokens"] += num_accepted
+        per_pos = c["spec_decode_num_accepted_tokens_per_pos"]
         for i in range(num_accepted):
-            self.num_accepted_tokens_per_pos[i] += 1
+            per_pos[i] += 1
         state = self._state.get(seq)
         if state is None:
             return
