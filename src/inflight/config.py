@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -43,6 +44,75 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+SPEC_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16  # a verification chunk of k+1 tokens; more costs compute that is rarely accepted
+MAX_PROMPT_LOOKUP = 64
+
+
+@dataclass
+class SpeculativeConfig:
+    """Draft-free speculative decoding (vLLM's `speculative_config` names). `prompt_lookup_min/max` default
+    to each other, both to 5 when neither is given (as vLLM)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # No drafts while more than this many sequences run: a large step is compute-bound, drafts cost more
+    # than they save there.
+    disable_by_batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        def bad(name: str, allowed: str) -> ConfigError:
+            return ConfigError(f"speculative_config.{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+
+        if self.method not in SPEC_METHODS:
+            raise bad("method", " or ".join(repr(m) for m in SPEC_METHODS))
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(name, "an integer")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"in [1, {MAX_SPECULATIVE_TOKENS}]")
+        for name in ("prompt_lookup_max", "prompt_lookup_min"):
+            if getattr(self, name) is not None and not 1 <= getattr(self, name) <= MAX_PROMPT_LOOKUP:
+                raise bad(name, f"in [1, {MAX_PROMPT_LOOKUP}]")
+        if self.prompt_lookup_max is None and self.prompt_lookup_min is None:
+            self.prompt_lookup_max = self.prompt_lookup_min = 5
+        elif self.prompt_lookup_min is None:
+            self.prompt_lookup_min = self.prompt_lookup_max
+        elif self.prompt_lookup_max is None:
+            self.prompt_lookup_max = self.prompt_lookup_min
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise bad("prompt_lookup_min", f"<= prompt_lookup_max={self.prompt_lookup_max}")
+        if self.disable_by_batch_size < 1:
+            raise bad("disable_by_batch_size", ">= 1")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
+        """From a dict or its JSON text (the CLI flag, the config.pbtxt parameter); None, "" or {} is off."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"speculative_config is not valid JSON ({e}): {value[:200]!r}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"speculative_config must be a JSON object (a dict), not {type(value).__name__}")
+        if not value:
+            return None
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"speculative_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ConfigError("speculative_config.num_speculative_tokens is required")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64
@@ -62,6 +132,8 @@ class EngineConfig:
     seed: int = 0  # draws the seeds of requests that bring none
     # vLLM's kv_events_config (JSON text or a dict): publish the prefix cache's changes for KV-aware routers
     kv_events_config: str | None = None
+    # Speculative decoding (off when None): a dict or its JSON text, held as a SpeculativeConfig once checked.
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Bounds on what one request may cost (errors name the field and the limit).
     max_logprobs: int = 20  # most top logprobs per token a request may ask for (vLLM's default)
     max_stop_strings: int = 64
@@ -69,10 +141,9 @@ class EngineConfig:
     max_prompt_bytes: int | None = None  # UTF-8 bytes; default: 16 per token of max_model_len
     max_sampling_parameters_bytes: int = 256 << 10  # the sampling_parameters JSON text
     max_json_depth: int = 64  # nesting of the sampling_parameters JSON (a JSON schema nests ~2 per level)
-    # Structured outputs (issue 27): a constraint's complexity before compiling (its text's bytes, its nesting:
-    # a 64 KiB JSON schema compiled in 0.5 s and held ~15 MB on SmolLM2's vocabulary, 210 KB in 4.3 s and ~75 MB),
-    # the bytes the compiled grammars cached may hold, and the engine-thread time one request's grammar
-    # matcher (bitmask fill + accept) may take for one token and in all.
+    # Structured outputs: a constraint's complexity before compiling (its text's bytes, its nesting), the bytes
+    # the cached compiled grammars may hold, and the engine time one request's grammar matcher (bitmask fill +
+    # accept) may take for one token and in all (docs/PERFORMANCE.md, "Structured outputs").
     max_grammar_spec_bytes: int = 64 << 10
     max_grammar_depth: int = 32
     max_grammar_cache_bytes: int = 256 << 20
@@ -113,6 +184,7 @@ class EngineConfig:
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
         check(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes", ">= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.attention_backend == "triton" and not self.device.startswith("cuda") and not _triton_interpreted():

@@ -5,6 +5,7 @@ step() = schedule → forward → sample → append → detokenize → finish/fr
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -18,6 +19,7 @@ from inflight.engine.kv_cache import BlockManager
 from inflight.engine.kv_events import AllBlocksCleared, KVEventsConfig, ZmqEventPublisher
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
+from inflight.engine.spec_decode.decoder import SpecDecoder
 from inflight.engine.stats import EngineSnapshot, StepStats
 from inflight.engine.structured_output import StructuredOutputManager, check_structured_outputs
 from inflight.executor.model_runner import ModelRunner
@@ -93,7 +95,19 @@ class LLMEngine:
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Sequence] = []
         self.last_step_stats: StepStats | None = None
-        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
+        self.counters = {
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "preemptions": 0,
+            "steps": 0,
+            # vLLM's spec_decode counters (accepted drafts per position: a list of num_speculative_tokens)
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
+            "spec_decode_num_accepted_tokens_per_pos": [],
+        }
+        spec = config.speculative_config
+        self.spec_decoder = SpecDecoder(spec, self.max_model_len, self.counters) if spec is not None else None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -205,6 +219,17 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.close()
 
+    @property
+    def spec_decode_counters(self) -> dict[str, int | tuple[int, ...]]:
+        """vLLM's spec_decode counters (all 0 when speculation is off), per position as a tuple."""
+        c = self.counters
+        return {
+            "spec_decode_num_drafts": c["spec_decode_num_drafts"],
+            "spec_decode_num_draft_tokens": c["spec_decode_num_draft_tokens"],
+            "spec_decode_num_accepted_tokens": c["spec_decode_num_accepted_tokens"],
+            "spec_decode_num_accepted_tokens_per_pos": tuple(c["spec_decode_num_accepted_tokens_per_pos"]),
+        }
+
     def snapshot(self) -> EngineSnapshot:
         c = self.counters
         return EngineSnapshot(
@@ -221,6 +246,7 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             max_num_seqs=self.config.max_num_seqs,
             last_step=self.last_step_stats,
+            **self.spec_decode_counters,
         )
 
     @property
@@ -236,6 +262,8 @@ class LLMEngine:
         for seq, error in self.structured_outputs.take_failed():
             self.scheduler.finish(seq, FinishReason.ABORT)
             outputs.append(self._finish_output(seq, "", [], error=error))
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.counters["preemptions"] = self.scheduler.num_preemptions
         if not sched.seqs:
@@ -243,20 +271,26 @@ class LLMEngine:
                 self.structured_outputs.wait_for_compile(0.01)  # idle but for compiles: do not spin
             return outputs
         num_running = len(self.scheduler.running)
-        num_decode = sum(
-            1
-            for s, n in zip(sched.seqs, sched.num_scheduled_tokens)
-            if n == 1 and s.num_computed_tokens == s.num_tokens - 1
-        )
+        spec = sched.spec_token_ids or [[]] * len(sched.seqs)
+        decode = [
+            n
+            for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, spec)
+            if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
+        ]
+        num_decode = (len(decode), sum(decode))  # sequences, tokens (a verifying one's drafts too)
         parts, failed = self._run_isolating(sched)
         if len(failed) > 1 and not parts:  # every sequence failed: the engine's failure, not theirs
             raise failed[0][1]
         for part, _, _, _ in parts:
-            for seq, n in zip(part.seqs, part.num_scheduled_tokens):
-                seq.num_computed_tokens += n
+            drafts = part.spec_token_ids or [[]] * len(part.seqs)
+            for seq, n, d in zip(part.seqs, part.num_scheduled_tokens, drafts):
+                seq.num_computed_tokens += n - len(d)  # drafts count once accepted (_process_verified)
                 self.block_manager.cache_full_blocks(seq)
-        for _, _, sampling, sampled in parts:
-            outputs += self._process_samples(sampling, sampled)
+        for part, result, sampling, sampled in parts:
+            if result.num_spec_tokens is None:
+                outputs += self._process_samples(sampling, sampled)
+            else:
+                outputs += self._process_verified(part, result, sampling, sampled)
         for seq, error in failed:
             self.scheduler.finish(seq, FinishReason.ABORT)
             message = f"the engine failed while running this request: {error!r}"
@@ -275,8 +309,11 @@ class LLMEngine:
         sampling = [sched.seqs[i] for i in result.sample_rows]
         sampled = None
         if sampling:
-            bitmask = self.structured_outputs.grammar_bitmask(sampling)
-            sampled = self.sampler(result.logits, sampling, bitmask, result.sampling_metadata)
+            rows = sampling  # one logits row per sequence, d+1 for one verifying d drafts
+            if result.num_spec_tokens is not None:
+                rows = [s for s, d in zip(sampling, result.num_spec_tokens.tolist()) for _ in range(d + 1)]
+            bitmask = self.structured_outputs.grammar_bitmask(rows)
+            sampled = self.sampler(result.logits, rows, bitmask, result.sampling_metadata)
         return result, sampling, sampled
 
     def _run_isolating(self, sched: SchedulerOutput) -> tuple[list[tuple], list[tuple[Sequence, Exception]]]:
@@ -292,17 +329,58 @@ class LLMEngine:
         parts, failed = [], []
         mid = len(sched.seqs) // 2
         for lo, hi in ((0, mid), (mid, len(sched.seqs))):
-            half = SchedulerOutput(sched.seqs[lo:hi], sched.num_scheduled_tokens[lo:hi])
+            half = sched.part(lo, hi)
             p, f = self._run_isolating(half)
             parts += p
             failed += f
         return parts, failed
 
-    def _process_samples(self, seqs: list[Sequence], sampled) -> list[RequestOutput]:
+    def _process_verified(self, part: SchedulerOutput, result, seqs: list[Sequence], sampled) -> list[RequestOutput]:
+        """Tokens of a step that verified drafts: each sequence's accepted drafts and the token after them go
+        through the one-token path in rounds (the KV of a token counts once it is accepted), and a sequence
+        stops at the first token that finishes it. One output per sequence carries all its tokens."""
+        tokens = sampled.token_ids.tolist()
+        num_spec = result.num_spec_tokens.tolist()
+        rows = [s for s, d in zip(seqs, num_spec) for _ in range(d + 1)]
+        row_logprobs = self._logprobs(rows, sampled)
+        accepted: list[list[int]] = []
+        logprobs = [] if row_logprobs is not None else None
+        g = 0
+        for seq, i, d in zip(seqs, result.sample_rows.tolist(), num_spec):
+            drafts, verified = part.spec_token_ids[i], tokens[g : g + d + 1]
+            m = 0
+            while m < d and verified[m] == drafts[m]:  # the model's token at each position, drafts until one differs
+                m += 1
+            accepted.append(verified[: m + 1])
+            if logprobs is not None:
+                logprobs.append(row_logprobs[g])  # sequences with logprobs do not speculate: one row each
+            if d:
+                self.spec_decoder.record(seq, d, m)
+            g += d + 1
+        outputs = self._process_samples(seqs, [a[0] for a in accepted], logprobs)
+        index = {o.request_id: i for i, o in enumerate(outputs)}
+        r = 1
+        while True:
+            live = [(seq, a[r]) for seq, a in zip(seqs, accepted) if len(a) > r and not seq.is_finished]
+            if not live:
+                return outputs
+            for seq, _ in live:
+                seq.num_computed_tokens += 1  # the KV of the draft just accepted
+                self.block_manager.cache_full_blocks(seq)
+            for out in self._process_samples([s for s, _ in live], [t for _, t in live], None):
+                i = index[out.request_id]
+                outputs[i] = _merge_outputs(outputs[i], out)
+            r += 1
+
+    def _process_samples(self, seqs: list[Sequence], sampled, logprobs=None) -> list[RequestOutput]:
+        """`sampled`: the sampler's output, or the tokens as a list (with `logprobs`, one per sequence)."""
         if not seqs:
             return []
-        tokens = sampled.token_ids.tolist()
-        logprobs = self._logprobs(seqs, sampled)
+        if isinstance(sampled, list):
+            tokens = sampled
+        else:
+            tokens = sampled.token_ids.tolist()
+            logprobs = self._logprobs(seqs, sampled)
         # vLLM's rules: a stop token's text is not output (unless include_stop_str_in_output), and a stop
         # string must end in the text of a token after the first min_tokens (it may begin in theirs).
         stop_tok = [self._is_stop_token(seq, tok) for seq, tok in zip(seqs, tokens)]
@@ -403,11 +481,15 @@ class LLMEngine:
         error_kind: str = "invalid",
     ) -> RequestOutput:
         del self._seqs[seq.request_id]
+        if self.spec_decoder is not None:
+            self.spec_decoder.forget(seq)
         self._detoks.pop(seq.request_id, None)
         seq.structured = None  # the matcher goes with the request
         return self._output(seq, text, new_tokens, new_lp, finished=True, error=error, error_kind=error_kind)
 
-    def _record_stats(self, sched, num_running: int, num_decode: int, t0: float, forward_time: float) -> None:
+    def _record_stats(
+        self, sched, num_running: int, num_decode: tuple[int, int], t0: float, forward_time: float
+    ) -> None:
         arrivals = [s.arrival_time for s in sched.seqs]
         self.counters["steps"] += 1
         self.last_step_stats = StepStats(
@@ -416,8 +498,8 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_scheduled_seqs=len(sched.seqs),
             num_scheduled_tokens=sched.total_tokens,
-            num_prefill_tokens=sched.total_tokens - num_decode,
-            num_decode_seqs=num_decode,
+            num_prefill_tokens=sched.total_tokens - num_decode[1],
+            num_decode_seqs=num_decode[0],
             num_kv_blocks_used=self.block_manager.num_used_blocks,
             num_kv_blocks_total=self.block_manager.num_blocks,
             num_kv_blocks_cached=self.block_manager.num_cached_blocks,
@@ -427,6 +509,19 @@ class LLMEngine:
             forward_time_s=forward_time,
             max_num_seqs=self.config.max_num_seqs,
         )
+
+
+def _merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output carrying both deltas of a request (`later` is the newer)."""
+    logprobs = None
+    if first.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
+    return dataclasses.replace(
+        later,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+        new_logprobs=logprobs,
+    )
 
 
 def tokenize_prompt(tokenizer, prompt: str, max_prompt_bytes: int, max_model_len: int) -> list[int]:

@@ -4,6 +4,8 @@ One rule: a running sequence is scheduled `num_tokens - num_computed_tokens` tok
 left of `max_num_batched_tokens`. A fresh prompt is therefore prefilled (in chunks when long), a
 sequence that just sampled gets 1 token (decode), and a preempted one recomputes — all in one batch.
 A prefix cache hit at admission only sets `num_computed_tokens`: the same rule then computes the rest.
+Speculative decoding counts a running sequence's draft tokens in: a decode with d drafts is a (d+1)-token
+chunk, its drafts trimmed to what the budget leaves.
 """
 
 from __future__ import annotations
@@ -22,10 +24,16 @@ class SchedulerOutput:
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Draft tokens of each scheduled sequence (aligned with `seqs`), or None when no sequence has any.
+    spec_token_ids: list[list[int]] | None = None
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens)
+
+    def part(self, lo: int, hi: int) -> SchedulerOutput:
+        spec = self.spec_token_ids[lo:hi] if self.spec_token_ids is not None else None
+        return SchedulerOutput(self.seqs[lo:hi], self.num_scheduled_tokens[lo:hi], spec_token_ids=spec)
 
 
 class Scheduler:
@@ -73,6 +81,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
@@ -89,11 +98,18 @@ class Scheduler:
             self._admit_static_batch()
 
         i = 0
+        drafts: list[list[int]] = []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            unspec = seq.num_tokens - seq.num_computed_tokens
+            n = min(unspec + len(seq.spec_token_ids), budget)
             target = self._reservation(seq, seq.num_computed_tokens + n)
             while not self.block_manager.allocate(seq, target):
+                if seq.spec_token_ids:  # drafts never cost another sequence its place: drop them first
+                    seq.spec_token_ids = []
+                    n = min(unspec, budget)
+                    target = self._reservation(seq, seq.num_computed_tokens + n)
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -102,8 +118,12 @@ class Scheduler:
             else:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
+                drafts.append(seq.spec_token_ids[: max(n - unspec, 0)])
+                seq.spec_token_ids = []
                 budget -= n
                 i += 1
+        for seq in self.running[i:]:  # not scheduled this step: their drafts would be stale by the next
+            seq.spec_token_ids = []
 
         if not self.static and not out.preempted:
             w = 0
@@ -123,6 +143,8 @@ class Scheduler:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
                 budget -= n
+        if any(drafts):
+            out.spec_token_ids = drafts + [[] for _ in range(len(out.seqs) - len(drafts))]
         return out
 
     def _admit_static_batch(self) -> None:

@@ -48,6 +48,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     # The output constraint's compile and matcher (structured outputs); None when unconstrained.
     structured: StructuredRequest | None = None
+    # Speculative decoding: draft tokens proposed for the next step (set just before scheduling; the
+    # scheduler moves them into its output, so they never outlive a step).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

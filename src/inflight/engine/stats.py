@@ -49,3 +49,9 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0  # cumulative, prompt tokens looked up at first admission
     prefix_cache_hits: int = 0  # cumulative, of those, tokens served from the cache
     max_arrival_spread_s: float = 0.0  # the largest arrival spread of any step so far (set by the core)
+    # Speculative decoding (vLLM's names), cumulative: sequences' verified proposals, their draft tokens,
+    # the drafts accepted, and accepted drafts by position in the proposal.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()

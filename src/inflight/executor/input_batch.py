@@ -68,6 +68,8 @@ class BatchInputs:
     positions: torch.Tensor  # [T] int64 on the device
     attn_metadata: AttentionMetadata
     sample_rows: np.ndarray  # rows whose chunk reaches the end of their tokens: they sample this step
+    # Draft tokens each of `sample_rows` verifies (its chunk ends with them); None when no row has any.
+    num_spec_tokens: np.ndarray | None = None
 
 
 class InputBatch:
@@ -234,10 +236,20 @@ class InputBatch:
 
     # ---- one step's inputs ---------------------------------------------------------------------------
 
-    def prepare(self, seqs: list[Sequence], num_scheduled_tokens: list[int]) -> BatchInputs:
-        """Update the rows by diff, then build the step's flattened inputs from them."""
+    def prepare(
+        self, seqs: list[Sequence], num_scheduled_tokens: list[int], spec_token_ids: list[list[int]] | None = None
+    ) -> BatchInputs:
+        """Update the rows by diff, then build the step's flattened inputs from them. `spec_token_ids`: each
+        sequence's draft tokens, scheduled after its own tokens (they go in the row's token slot past its
+        tokens, where the next real tokens overwrite them)."""
         self.update(seqs)
         b = len(seqs)
+        num_spec = None
+        if spec_token_ids is not None:
+            num_spec = np.fromiter((len(d) for d in spec_token_ids), dtype=np.int64, count=b)
+            for i in np.nonzero(num_spec)[0].tolist():
+                start = int(self.num_tokens[i])
+                self.token_ids[self.token_slot[i], start : start + num_spec[i]] = spec_token_ids[i]
         n = np.asarray(num_scheduled_tokens, dtype=np.int64)
         num_computed = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=b)
         qsl = np.zeros(b + 1, dtype=np.int64)
@@ -279,11 +291,16 @@ class InputBatch:
             query_start_loc_np=qsl,
             seq_lens_np=seq_lens,
         )
-        sample_rows = np.nonzero(seq_lens == self.num_tokens[:b])[0]  # chunks that reach the end sample a token
-        return BatchInputs(self.input_ids.to_device(total), self.positions.to_device(total), meta, sample_rows)
+        # Chunks that reach the end (past their drafts) sample a token.
+        ends = self.num_tokens[:b] if num_spec is None else self.num_tokens[:b] + num_spec
+        sample_rows = np.nonzero(seq_lens == ends)[0]
+        spec = num_spec[sample_rows] if num_spec is not None else None
+        return BatchInputs(self.input_ids.to_device(total), self.positions.to_device(total), meta, sample_rows, spec)
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """The sampling parameters and token ids of `rows` (in that order), from the batch's arrays."""
+    def sampling_metadata(self, rows: np.ndarray, offsets: np.ndarray | None = None) -> SamplingMetadata:
+        """The sampling parameters and token ids of `rows` (in that order), from the batch's arrays. A row may
+        repeat: `offsets` (per entry) then moves its output index past that many of its draft tokens, which
+        sit in its token slot after its tokens (verification samples every draft position)."""
         ints, floats = self._ints[:, rows], self._floats[:, rows]
         field = self._int_fields.index
         num_tokens, num_prompt, slots = (
@@ -294,7 +311,7 @@ class InputBatch:
         return SamplingMetadata(
             **dict(zip(self._sampling_ints, ints[len(self._int_fields) :])),
             **dict(zip(self._sampling_floats, floats)),
-            output_lens=num_tokens - num_prompt,
+            output_lens=num_tokens - num_prompt + (0 if offsets is None else offsets),
             num_prompt_tokens=num_prompt,
             token_ids=self.token_ids,
             token_rows=slots,

@@ -29,10 +29,13 @@ if TYPE_CHECKING:  # the engine hands its batch down; the executor never imports
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [S, V] float32, one row per sequence that samples this step
+    # [R, V] float32: one row per sequence that samples this step, or d+1 consecutive rows for one that
+    # verifies d draft tokens (the logits after its last token and after each draft)
+    logits: torch.Tensor
     sample_rows: np.ndarray  # indices into the scheduled seqs of those S sequences
     forward_time_s: float
-    sampling_metadata: SamplingMetadata  # those S sequences' sampling parameters and token ids
+    sampling_metadata: SamplingMetadata  # the R logits rows' sampling parameters and token ids
+    num_spec_tokens: np.ndarray | None = None  # [S] drafts each of those sequences verifies; None: none does
 
 
 # With OMP_WAIT_POLICY=PASSIVE, OpenMP threads sleep between ops and each op wakes them again (tens of us
@@ -146,7 +149,7 @@ class ModelRunner:
         return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
 
     def prepare(self, sched: SchedulerOutput) -> BatchInputs:
-        return self.input_batch.prepare(sched.seqs, sched.num_scheduled_tokens)
+        return self.input_batch.prepare(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layer stack: [T] tokens -> [T, hidden] final-norm outputs (the step's K/V written)."""
@@ -170,6 +173,13 @@ class ModelRunner:
             t0 = time.perf_counter()
             hidden = self.forward(inputs.input_ids, inputs.positions, meta)
             last = meta.query_start_loc_np[1:][sample_rows] - 1
+            spec = inputs.num_spec_tokens
+            offsets = None
+            if spec is not None:  # a verifying row's logits at its last d+1 positions
+                counts = spec + 1
+                starts = np.cumsum(counts) - counts
+                offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+                last = np.repeat(last - spec, counts) + offsets
             # A decode step samples every row in order: no gather (it cost ~45 us a step, ~2% of a small model's).
             if len(last) != len(hidden) or not np.array_equal(last, np.arange(len(hidden))):
                 hidden = hidden[torch.from_numpy(last).to(self.device)]
@@ -182,9 +192,11 @@ class ModelRunner:
                 torch.set_num_threads(self.max_threads)
         if self.threads and tokens:
             self.threads.record(tokens, threads, forward_time)
+        rows = sample_rows if spec is None else np.repeat(sample_rows, spec + 1)
         return ModelOutput(
             logits=logits,
             sample_rows=sample_rows,
             forward_time_s=forward_time,
-            sampling_metadata=self.input_batch.sampling_metadata(sample_rows),
+            sampling_metadata=self.input_batch.sampling_metadata(rows, offsets),
+            num_spec_tokens=spec,
         )

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from inflight.coerce import field_types, parse_scalar, type_name
-from inflight.config import ATTENTION_BACKENDS, DTYPES, KV_RESERVATIONS, SCHEDULING_POLICIES, EngineConfig
+from inflight.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_RESERVATIONS,
+    SCHEDULING_POLICIES,
+    ConfigError,
+    EngineConfig,
+    SpeculativeConfig,
+)
 
 _HELP = {
     "max_num_seqs": "most sequences in one step's batch",
@@ -26,6 +34,8 @@ _HELP = {
     "seed": "seed for requests that bring none",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: on)",
     "enforce_eager": "GPU: launch decode steps' kernels one by one instead of replaying CUDA graphs (default: off)",
+    "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
     "dtype": "auto: the checkpoint's on GPU; on CPU bfloat16 with AMX / AVX512-BF16, else float32 (logged)",
     "kv_events_config": "vLLM's KV events for KV-aware routers, JSON: "
     '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' (default: off)',
@@ -50,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag,
             dest=name,
-            type=_typed(kind),
+            type=_speculative_config if name == "speculative_config" else _typed(kind),
             default=None,
             choices=_CHOICES.get(name),
             help=_HELP.get(name),
@@ -63,6 +73,15 @@ def _typed(kind: type):
 
     parse.__name__ = type_name(kind)  # argparse names it in "invalid int value: 'x'"
     return parse
+
+
+def _speculative_config(text: str) -> str:
+    """The JSON text, checked here so that a bad one fails before tritonserver starts."""
+    try:
+        SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
 
 
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:

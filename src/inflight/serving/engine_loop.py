@@ -95,7 +95,8 @@ def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
 
 
 _COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
-             "prefix_cache_hits")  # fmt: skip
+             "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+             "spec_decode_num_accepted_tokens")  # fmt: skip
 
 
 class EngineLoop:
@@ -260,7 +261,14 @@ class EngineLoop:
         base = self._base
         if base is None:
             return snap
-        return dataclasses.replace(snap, **{k: getattr(base, k) + getattr(snap, k) for k in _COUNTERS})
+        old, new = base.spec_decode_num_accepted_tokens_per_pos, snap.spec_decode_num_accepted_tokens_per_pos
+        n = max(len(old), len(new))
+        per_pos = tuple((old[i] if i < len(old) else 0) + (new[i] if i < len(new) else 0) for i in range(n))
+        return dataclasses.replace(
+            snap,
+            **{k: getattr(base, k) + getattr(snap, k) for k in _COUNTERS},
+            spec_decode_num_accepted_tokens_per_pos=per_pos,
+        )
 
     def _set_broken(self, reason: str) -> None:
         if self._broken is not None:

@@ -109,7 +109,26 @@ class TritonMetrics:
         self.vllm_e2e = make(
             "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency", histogram, None, E2E_BUCKETS
         )
+        # Speculative decoding (vLLM's names): proposals verified, their draft tokens, drafts accepted, and
+        # accepted drafts by position (label `position`, created as positions appear).
+        self.vllm_spec_drafts = make("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts", counter)
+        self.vllm_spec_draft_tokens = make("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens", counter)
+        self.vllm_spec_accepted = make(
+            "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens", counter
+        )
+        self._spec_per_pos_family = family(
+            name="vllm:spec_decode_num_accepted_tokens_per_pos_total",
+            description="Accepted tokens per draft position",
+            kind=counter,
+        )
+        self._families.append(self._spec_per_pos_family)
+        self._labels = labels
+        self._spec_per_pos: list = []
+        self._spec_per_pos_counted: list[int] = []
         self._counted = {
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
             "num_preemptions": 0,
             "prompt_tokens": 0,
             "generation_tokens": 0,
@@ -134,12 +153,23 @@ class TritonMetrics:
             ("generation_tokens", [self.generation_tokens, self.vllm_generation_tokens]),
             ("prefix_cache_queries", [self.prefix_cache_queries, self.vllm_prefix_cache_queries]),
             ("prefix_cache_hits", [self.prefix_cache_hits, self.vllm_prefix_cache_hits]),
+            ("spec_decode_num_drafts", [self.vllm_spec_drafts]),
+            ("spec_decode_num_draft_tokens", [self.vllm_spec_draft_tokens]),
+            ("spec_decode_num_accepted_tokens", [self.vllm_spec_accepted]),
         ):
             value = getattr(snap, key)
             if value > self._counted[key]:
                 for metric in metrics:
                     metric.increment(value - self._counted[key])
                 self._counted[key] = value
+        for pos, value in enumerate(snap.spec_decode_num_accepted_tokens_per_pos):
+            if pos == len(self._spec_per_pos):
+                metric = self._spec_per_pos_family.Metric(labels=self._labels | {"position": str(pos)})
+                self._spec_per_pos.append(metric)
+                self._spec_per_pos_counted.append(0)
+            if value > self._spec_per_pos_counted[pos]:
+                self._spec_per_pos[pos].increment(value - self._spec_per_pos_counted[pos])
+                self._spec_per_pos_counted[pos] = value
         self.requests["running"].set(snap.num_running)
         self.requests["waiting"].set(snap.num_waiting)
         self.vllm_running.set(snap.num_running)

@@ -1,0 +1,1 @@
+"""Draft-free proposers for speculative decoding: they guess a sequence's next tokens from its own tokens."""

@@ -1,0 +1,102 @@
+"""Which sequences speculate this step, their drafts, and what came of them (acceptance counters, back-off).
+
+Verification is exact and draft-free (deterministic drafts): position i of a (d+1)-token chunk is sampled
+as speculation off would sample it (same logits, same seed and output index), and draft i is accepted when
+that token equals it. For a sampled row this is the rejection rule for a deterministic draft, coupled:
+the draft is accepted with probability p(draft), and a rejected position's token is distributed as p with
+the draft removed and renormalized; greedy rows accept the longest prefix that matches the argmax.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from inflight.engine.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from inflight.config import SpeculativeConfig
+    from inflight.engine.sequence import Sequence
+
+# Back-off: a sequence whose last WINDOW proposals accepted less than MIN_ACCEPTANCE of their drafts stops
+# proposing for COOLDOWN_STEPS decode steps, then tries again from a fresh window.
+WINDOW = 8
+MIN_ACCEPTANCE = 0.2
+COOLDOWN_STEPS = 32
+
+
+class _SeqState:
+    __slots__ = ("cooldown", "recent")
+
+    def __init__(self) -> None:
+        self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (drafted, accepted) per proposal
+        self.cooldown = 0
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, counters: dict | None = None) -> None:
+        """`counters`: where vLLM's spec_decode counters go (the engine's `counters`)."""
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self._state: dict[Sequence, _SeqState] = {}
+        self.counters = counters if counters is not None else {}
+        self.counters.update(
+            spec_decode_num_drafts=0,
+            spec_decode_num_draft_tokens=0,
+            spec_decode_num_accepted_tokens=0,
+            spec_decode_num_accepted_tokens_per_pos=[0] * self.k,
+        )
+
+    @staticmethod
+    def can_speculate(seq: Sequence) -> bool:
+        # Structured outputs advance a grammar matcher per token and logprobs report per token: those
+        # sequences decode one token a step.
+        p = seq.sampling_params
+        return seq.structured is None and p.logprobs is None
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set `spec_token_ids` of the running sequences that speculate this step (the others get none)."""
+        if len(running) > self.config.disable_by_batch_size:
+            return  # the scheduler drops drafts left on sequences it does not schedule; none are set here
+        for seq in running:
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not self.can_speculate(seq):
+                continue  # prefilling or recomputing: the rule schedules its own tokens
+            state = self._state.get(seq)
+            if state is None:
+                state = self._state[seq] = _SeqState()
+            if state.cooldown:
+                state.cooldown -= 1
+                continue
+            # A draft may not take the sequence past max_tokens or max_model_len (the token after the drafts
+            # is sampled too).
+            room = min(
+                seq.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
+                self.max_model_len - seq.num_tokens - 1,
+            )
+            if room < 1:
+                continue
+            seq.spec_token_ids = self.proposer.propose(seq, seq.prompt_token_ids, seq.output_token_ids, room)
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        c = self.counters
+        c["spec_decode_num_drafts"] += 1
+        c["spec_decode_num_draft_tokens"] += num_drafts
+        c["spec_decode_num_accepted_tokens"] += num_accepted
+        per_pos = c["spec_decode_num_accepted_tokens_per_pos"]
+        for i in range(num_accepted):
+            per_pos[i] += 1
+        state = self._state.get(seq)
+        if state is None:
+            return
+        state.recent.append((num_drafts, num_accepted))
+        if len(state.recent) == WINDOW:
+            drafted = sum(d for d, _ in state.recent)
+            if sum(a for _, a in state.recent) < MIN_ACCEPTANCE * drafted:
+                state.cooldown = COOLDOWN_STEPS
+                state.recent.clear()
+
+    def forget(self, seq: Sequence) -> None:
+        self._state.pop(seq, None)
+        self.proposer.forget(seq)

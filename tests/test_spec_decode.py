@@ -1,0 +1,448 @@
+"""Speculative decoding: the n-gram proposer, speculative_config, and exact verification through the engine
+(greedy and seeded outputs token for token as speculation off; the sampled distribution; no leaked block)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from inflight.config import ConfigError, EngineConfig, SpeculativeConfig
+from inflight.engine.engine import LLMEngine
+from inflight.engine.spec_decode.ngram import NgramProposer
+from inflight.llm import LLM
+from inflight.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+# ---- the proposer --------------------------------------------------------------------------------------
+
+
+def test_proposer_takes_the_most_recent_match_of_the_longest_ngram():
+    p = NgramProposer(3, 1, 3)
+    # [1, 2] occurs at 0 and at 4 (most recent: followed by 7, 1, 2); [9, 1, 2] does not occur earlier.
+    assert p.propose("a", [1, 2, 5, 6, 1, 2, 7, 9, 1], [2], 10) == [7, 9, 1]
+    # The longest n wins over a more recent shorter match: [3, 4] at 0 (-> 8), [4] alone later (-> 6).
+    assert p.propose("b", [3, 4, 8, 4, 6, 3], [4], 10) == [8, 4, 6]
+
+
+def test_proposer_respects_min_max_and_k():
+    assert NgramProposer(3, 2, 3).propose("a", [5, 1, 2, 9, 5, 7], [1], 10) == []  # only a 1-gram matches
+    assert NgramProposer(3, 1, 3).propose("a", [5, 1, 2, 9, 5, 7], [1], 10) == [2, 9, 5]
+    assert NgramProposer(2, 1, 3).propose("a", [5, 1, 2, 9, 5, 7], [1], 10) == [2, 9]
+    assert NgramProposer(3, 1, 3).propose("a", [5, 1, 2, 9, 5, 7], [1], 1) == [2]  # max_tokens caps k
+    assert NgramProposer(4, 1, 1).propose("a", [1, 2, 3], [1], 10) == [2, 3, 1]  # stops at the end
+    assert NgramProposer(3, 1, 3).propose("a", [1, 2, 3], [4], 10) == []  # nothing to copy
+
+
+def test_proposer_ignores_matches_across_token_boundaries_and_follows_appends():
+    p = NgramProposer(3, 1, 1)
+    assert p.propose("a", [256, 1, 0, 0, 0, 0, 1], [], 10) == [0, 0, 0]  # 256's bytes hold 1's pattern
+    out = [7]
+    assert p.propose("b", [7, 8, 9], out, 10) == [8, 9, 7]
+    out += [8, 9, 3]
+    assert p.propose("b", [7, 8, 9], out, 10) == []
+    out.append(8)
+    assert p.propose("b", [7, 8, 9], out, 10) == [9, 3, 8]
+
+
+def test_proposer_64_sequences_cost_well_under_a_millisecond():
+    import time
+
+    rng = random.Random(0)
+    p = NgramProposer(4, 2, 4)
+    seqs = [[rng.randrange(1000) for _ in range(1000)] for _ in range(64)]
+    for i, s in enumerate(seqs):
+        p.propose(i, s, [], 4)
+    best = float("inf")
+    for _ in range(20):
+        for s in seqs:
+            s.append(rng.randrange(1000))
+        t0 = time.perf_counter()
+        for i, s in enumerate(seqs):
+            p.propose(i, s, [], 4)
+        best = min(best, time.perf_counter() - t0)
+    assert best < 2e-3  # ~0.2 ms on a quiet machine; generous for a shared CI core
+
+
+# ---- configuration ---------------------------------------------------------------------------------------
+
+
+def test_speculative_config_parses_and_defaults():
+    assert EngineConfig().speculative_config is None
+    assert EngineConfig(speculative_config="").speculative_config is None
+    cfg = EngineConfig(speculative_config=json.dumps(NGRAM)).speculative_config
+    assert isinstance(cfg, SpeculativeConfig)
+    assert (cfg.num_speculative_tokens, cfg.prompt_lookup_max, cfg.prompt_lookup_min) == (4, 3, 1)
+    only_max = SpeculativeConfig.parse({"num_speculative_tokens": 2, "prompt_lookup_max": 4})
+    assert (only_max.method, only_max.prompt_lookup_min, only_max.prompt_lookup_max) == ("ngram", 4, 4)
+    neither = SpeculativeConfig.parse({"num_speculative_tokens": 2})
+    assert (neither.prompt_lookup_min, neither.prompt_lookup_max) == (5, 5)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[1]", "must be a JSON object"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method='eagle'"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens=0 is invalid: must be in [1, 16]"),
+        ({"num_speculative_tokens": 99}, "num_speculative_tokens=99 is invalid: must be in [1, 16]"),
+        ({"num_speculative_tokens": "4"}, "num_speculative_tokens='4' is invalid: must be an integer"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min=0 is invalid"),
+        ({"num_speculative_tokens": 2, "prompt_lookup_max": 65}, "prompt_lookup_max=65 is invalid"),
+        (
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min=4 is invalid: must be <= prompt_lookup_max=2",
+        ),
+        ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size=0 is invalid"),
+        ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown key(s) ['draft_model']"),
+    ],
+)
+def test_speculative_config_errors_name_field_and_limit(value, message):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(speculative_config=value)
+    assert message in str(e.value)
+
+
+def test_speculative_config_from_the_cli_and_config_pbtxt(monkeypatch):
+    import sys
+    import types
+
+    from inflight.launcher.cli import add_engine_args, engine_args
+
+    # triton_model imports pb_utils (only inside tritonserver): a stand-in, and the module forgotten afterwards.
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", types.ModuleType("triton_python_backend_utils"))
+    monkeypatch.delitem(sys.modules, "inflight.serving.triton_model", raising=False)
+    from inflight.serving.triton_model import ServerSettings
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
+    assert EngineConfig(**engine_args(ns)).speculative_config.num_speculative_tokens == 4
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"num_speculative_tokens": 0}'])
+    settings = ServerSettings.from_parameters({"model": "demo", "speculative_config": json.dumps(NGRAM)})
+    assert settings.engine_config.speculative_config.prompt_lookup_max == 3
+    off = ServerSettings.from_parameters({"model": "demo", "speculative_config": ""})
+    assert off.engine_config.speculative_config is None
+
+
+# ---- verification through the engine -----------------------------------------------------------------------
+
+
+class OracleProposer:
+    """Drafts from a known continuation of each prompt, wrong at some positions (every `wrong_every`-th draft
+    position is off by one): exercises full, partial and no acceptance, which the random demo model's own
+    text rarely gives the n-gram proposer."""
+
+    def __init__(self, k: int, continuations: dict[tuple[int, ...], list[int]], wrong_every: int = 3) -> None:
+        self.k, self.continuations, self.wrong_every = k, continuations, wrong_every
+
+    def propose(self, key, prompt, output, max_tokens):
+        cont = self.continuations.get(tuple(prompt), [])
+        n = len(output)
+        drafts = list(cont[n : n + min(self.k, max_tokens)])
+        for j in range(len(drafts)):
+            if (n + j) % self.wrong_every == self.wrong_every - 1:
+                drafts[j] = (drafts[j] + 1) % 700
+        return drafts
+
+    def forget(self, key):
+        pass
+
+
+def run(demo_model_dir, prompts, params, spec=None, proposer=None, **engine_args):
+    """Every prompt to completion; (token ids per prompt, the engine)."""
+    engine_args.setdefault("dtype", "float32")
+    engine_args.setdefault("num_kv_blocks", 256)
+    llm = LLM(demo_model_dir, speculative_config=spec, **engine_args)
+    if proposer is not None:
+        llm.engine.spec_decoder.proposer = proposer
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks  # no block leaked
+    return [o.token_ids for o in outs], engine
+
+
+def repetitive(n: int, period: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    motif = [rng.randrange(3, 700) for _ in range(period)]
+    return (motif * (n // period + 1))[:n]
+
+
+def plain(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 700) for _ in range(n)]
+
+
+PROMPTS = [repetitive(40, 7, 1), plain(23, 2), repetitive(70, 12, 3), plain(5, 4), repetitive(33, 3, 5)]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_ngram_greedy_output_is_identical(demo_model_dir, dtype):
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    ref, _ = run(demo_model_dir, PROMPTS, params, dtype=dtype)
+    for batch in (1, len(PROMPTS)):
+        got = []
+        for i in range(0, len(PROMPTS), batch):
+            out, engine = run(demo_model_dir, PROMPTS[i : i + batch], params, NGRAM, dtype=dtype)
+            got += out
+        assert got == ref
+    c = engine.spec_decode_counters
+    assert c["spec_decode_num_drafts"] > 0 and c["spec_decode_num_draft_tokens"] >= c["spec_decode_num_drafts"]
+    assert c["spec_decode_num_accepted_tokens"] > 0  # the random model repeats itself now and then
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_oracle_drafts_greedy_identical_and_accepted(demo_model_dir, dtype):
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    ref, _ = run(demo_model_dir, PROMPTS, params, dtype=dtype)
+    k = 5
+    oracle = OracleProposer(k, {tuple(p): r for p, r in zip(PROMPTS, ref)})
+    spec = dict(NGRAM, num_speculative_tokens=k)
+    got, engine = run(demo_model_dir, PROMPTS, params, spec, oracle, dtype=dtype)
+    assert got == ref
+    c = engine.spec_decode_counters
+    assert c["spec_decode_num_accepted_tokens"] > c["spec_decode_num_drafts"]  # > 1 accepted a proposal
+    per_pos = c["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == c["spec_decode_num_accepted_tokens"] and per_pos[0] > 0 and per_pos[1] > 0
+    assert list(per_pos) == sorted(per_pos, reverse=True)  # position i is accepted only after 0..i-1
+    # Fewer steps than tokens: several tokens a step.
+    assert engine.counters["steps"] < sum(len(r) for r in ref)
+
+
+def test_oracle_drafts_with_preemption_prefix_hits_and_a_small_budget(demo_model_dir):
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS + [PROMPTS[0], PROMPTS[2][:50]]  # prefix cache hits
+    small = {"num_kv_blocks": 14, "max_num_batched_tokens": 24}
+    ref, ref_engine = run(demo_model_dir, prompts, params, **small)
+    assert ref_engine.scheduler.num_preemptions > 0
+    oracle = OracleProposer(6, {tuple(p): r for p, r in zip(prompts, ref)}, wrong_every=5)
+    got, engine = run(demo_model_dir, prompts, params, dict(NGRAM, num_speculative_tokens=6), oracle, **small)
+    assert got == ref
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache_hits > 0
+    assert engine.spec_decode_counters["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_stops_hold_at_every_accepted_position(demo_model_dir):
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    ref, _ = run(demo_model_dir, PROMPTS, base)
+    oracle = OracleProposer(8, {tuple(p): r for p, r in zip(PROMPTS, ref)}, wrong_every=100)
+    spec = dict(NGRAM, num_speculative_tokens=8)
+    stop_tok = ref[0][12]  # a token in the middle of an accepted run
+    cases = [
+        SamplingParams(max_tokens=13, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok]),
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_tok], min_tokens=20),
+    ]
+    lens = []
+    for params in cases:
+        want, _ = run(demo_model_dir, PROMPTS, params)
+        got, engine = run(demo_model_dir, PROMPTS, params, spec, oracle)
+        assert got == want
+        assert engine.spec_decode_counters["spec_decode_num_accepted_tokens"] > 0
+        lens.append(len(want[0]))
+    assert lens[0] == 13 and lens[1] == 13 and lens[2] >= 20  # cut inside an accepted run; min_tokens holds
+
+
+def test_max_model_len_bounds_the_drafts(demo_model_dir):
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    prompt = PROMPTS[2][:34]
+    ref, _ = run(demo_model_dir, [prompt], params, max_model_len=64)
+    oracle = OracleProposer(8, {tuple(prompt): ref[0]}, wrong_every=100)
+    got, engine = run(demo_model_dir, [prompt], params, dict(NGRAM, num_speculative_tokens=8), oracle, max_model_len=64)
+    assert got == ref and len(got[0]) == 30
+    assert engine.spec_decode_counters["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_seeded_sampling_identical_with_speculation(demo_model_dir):
+    params = [
+        SamplingParams(max_tokens=40, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True, **pen)
+        for s, (t, k, p, pen) in enumerate(
+            [
+                (0.8, 0, 1.0, {}),
+                (1.0, 5, 1.0, {"repetition_penalty": 1.3}),
+                (0.5, 0, 0.9, {"frequency_penalty": 0.5, "presence_penalty": 0.3}),
+                (1.2, 20, 0.95, {"min_p": 0.05}),
+                (0.3, 0, 1.0, {"min_tokens": 10}),
+            ]
+        )
+    ]
+    ref, _ = run(demo_model_dir, PROMPTS, params)
+    oracle = OracleProposer(4, {tuple(p): r for p, r in zip(PROMPTS, ref)})
+    got, engine = run(demo_model_dir, PROMPTS, params, NGRAM, oracle)
+    assert got == ref
+    assert engine.spec_decode_counters["spec_decode_num_accepted_tokens"] > 0
+    # Batch invariance: one request alone gives what it gave in the batch.
+    alone, _ = run(demo_model_dir, PROMPTS[1:2], params[1:2], NGRAM, oracle)
+    assert alone[0] == ref[1]
+
+
+def test_sampled_distribution_at_a_verified_position(demo_model_dir, hf_model):
+    """Drafting the most likely token at output position 1, across 1500 seeds: the draft is accepted with its
+    probability, and the token emitted there follows the sampler's distribution (temperature 1, top-k 4)."""
+    prompt = plain(12, 7)
+    top_k, n = 4, 1500
+    params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=top_k, seed=s, ignore_eos=True) for s in range(n)]
+    with torch.no_grad():
+        logits0 = hf_model(torch.tensor([prompt])).logits[0, -1]
+    first = int(logits0.argmax())
+
+    def dist_after(x0: int) -> torch.Tensor:
+        with torch.no_grad():
+            row = hf_model(torch.tensor([prompt + [x0]])).logits[0, -1].double()
+        probs = torch.zeros_like(row)
+        top = row.topk(top_k)
+        probs[top.indices] = torch.softmax(top.values, 0)
+        return probs
+
+    probs = dist_after(first)
+    draft = int(probs.argmax())
+
+    class OneDraft:
+        def propose(self, key, prompt_ids, output, max_tokens):
+            return [draft] if output == [first] else []
+
+        def forget(self, key):
+            pass
+
+    spec = dict(NGRAM, num_speculative_tokens=1, disable_by_batch_size=1 << 20)
+    got, engine = run(demo_model_dir, [prompt] * n, params, spec, OneDraft(), max_num_seqs=256, num_kv_blocks=512)
+    ref, _ = run(demo_model_dir, [prompt] * n, params, max_num_seqs=256, num_kv_blocks=512)
+    assert got == ref  # coupled: each seed's tokens are those of speculation off
+    second = torch.tensor([o[1] for o in got if o[0] == first])
+    m = len(second)
+    assert m > 200
+    c = engine.spec_decode_counters
+    assert c["spec_decode_num_drafts"] == m
+    freq = torch.bincount(second, minlength=len(probs)).double() / m
+    se = (probs * (1 - probs) / m).sqrt().clamp(min=1e-3)
+    assert ((freq - probs).abs() <= 5 * se).all()
+    p_accept = c["spec_decode_num_accepted_tokens"] / m
+    assert abs(p_accept - float(probs[draft])) <= 5 * float(se[draft])
+
+
+def test_no_speculation_for_logprobs_or_large_batches(demo_model_dir):
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=2)
+    ref, _ = run(demo_model_dir, PROMPTS, params)
+    oracle = OracleProposer(4, {tuple(p): r for p, r in zip(PROMPTS, ref)})
+    got, engine = run(demo_model_dir, PROMPTS, params, NGRAM, oracle)
+    assert got == ref and engine.spec_decode_counters["spec_decode_num_drafts"] == 0
+    greedy = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (6, 20, 20, 20, 20)]
+    ref, _ = run(demo_model_dir, PROMPTS, greedy)
+    spec = dict(NGRAM, disable_by_batch_size=len(PROMPTS) - 1)
+    got, engine = run(demo_model_dir, PROMPTS, greedy, spec, oracle)
+    assert got == ref
+    drafts = engine.spec_decode_counters["spec_decode_num_drafts"]
+    # None while all five run (the first 6 tokens), then some for the four left (at most 4 a step).
+    assert 0 < drafts <= 4 * (20 - 6)
+
+
+def test_back_off_when_drafts_are_rejected(demo_model_dir):
+    params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+    ref, _ = run(demo_model_dir, PROMPTS[:1], params)
+    always_wrong = OracleProposer(4, {tuple(PROMPTS[0]): ref[0]}, wrong_every=1)
+    got, engine = run(demo_model_dir, PROMPTS[:1], params, NGRAM, always_wrong)
+    assert got == ref
+    # 8 rejected proposals, then a cooldown of 32 steps, then 8 more...: far fewer than one per step.
+    assert engine.spec_decode_counters["spec_decode_num_drafts"] <= 30
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(st.integers(1, 60), st.integers(1, 10), st.integers(0, 10**6), st.integers(1, 40)),
+        min_size=1,
+        max_size=6,
+    ),
+    k=st.integers(1, 6),
+    wrong_every=st.integers(1, 6),
+    blocks=st.sampled_from([16, 24, 256]),
+)
+def test_generated_mix_greedy_identical(demo_model_dir, data, k, wrong_every, blocks):
+    prompts = [repetitive(n, period, seed) for n, period, seed, _ in data]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for *_, m in data]
+    eng = {"num_kv_blocks": blocks, "max_num_batched_tokens": 32}
+    ref, _ = run(demo_model_dir, prompts, params, **eng)
+    oracle = OracleProposer(k, {tuple(p): r for p, r in zip(prompts, ref)}, wrong_every=wrong_every)
+    got, _ = run(demo_model_dir, prompts, params, dict(NGRAM, num_speculative_tokens=k), oracle, **eng)
+    assert got == ref
+    ngram, _ = run(demo_model_dir, prompts, params, dict(NGRAM, num_speculative_tokens=k), **eng)
+    assert ngram == ref
+
+
+def test_engine_snapshot_carries_the_counters(demo_model_dir):
+    engine = LLMEngine(demo_model_dir, EngineConfig(dtype="float32", num_kv_blocks=64, speculative_config=NGRAM))
+    snap = engine.snapshot()
+    assert snap.spec_decode_num_drafts == 0 and snap.spec_decode_num_accepted_tokens_per_pos == (0, 0, 0, 0)
+    import dataclasses
+
+    import msgspec
+
+    from inflight.engine import wire
+
+    snap = dataclasses.replace(snap, spec_decode_num_drafts=3, spec_decode_num_accepted_tokens_per_pos=(2, 1, 0, 0))
+    raw = msgspec.msgpack.Encoder().encode(wire.StepOutputs([], snap))
+    back = msgspec.msgpack.Decoder(wire.FromCore).decode(raw)
+    assert back.snapshot.spec_decode_num_drafts == 3
+    assert back.snapshot.spec_decode_num_accepted_tokens_per_pos == (2, 1, 0, 0)
+
+
+def test_triton_metrics_export_the_counters(demo_model_dir):
+    import dataclasses
+
+    from inflight.serving.metrics import TritonMetrics
+
+    class Metric:
+        def __init__(self, labels):
+            self.labels, self.value = labels, 0
+
+        def increment(self, n):
+            self.value += n
+
+        def set(self, v):
+            self.value = v
+
+        def observe(self, v):
+            pass
+
+    class MetricFamily:
+        GAUGE, COUNTER, HISTOGRAM = "gauge", "counter", "histogram"
+        families: dict = {}
+
+        def __init__(self, name, description, kind):
+            self.name, self.metrics = name, []
+            MetricFamily.families[name] = self
+
+        def Metric(self, labels, buckets=None):  # noqa: N802 (pb_utils' name)
+            m = Metric(labels)
+            self.metrics.append(m)
+            return m
+
+    pb = type("pb_utils", (), {"MetricFamily": MetricFamily})
+    metrics = TritonMetrics(pb, {"model": "llm"})
+    engine = LLMEngine(demo_model_dir, EngineConfig(dtype="float32", num_kv_blocks=64, speculative_config=NGRAM))
+    snap = dataclasses.replace(
+        engine.snapshot(),
+        spec_decode_num_drafts=5,
+        spec_decode_num_draft_tokens=12,
+        spec_decode_num_accepted_tokens=4,
+        spec_decode_num_accepted_tokens_per_pos=(3, 1, 0, 0),
+    )
+    metrics.update(snap)
+    metrics.update(snap)  # counters count once
+    fam = MetricFamily.families
+    assert fam["vllm:spec_decode_num_drafts_total"].metrics[0].value == 5
+    assert fam["vllm:spec_decode_num_draft_tokens_total"].metrics[0].value == 12
+    assert fam["vllm:spec_decode_num_accepted_tokens_total"].metrics[0].value == 4
+    per_pos = fam["vllm:spec_decode_num_accepted_tokens_per_pos_total"].metrics
+    assert [(m.labels["position"], m.value) for m in per_pos] == [("0", 3), ("1", 1), ("2", 0), ("3", 0)]
