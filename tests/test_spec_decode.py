@@ -159,6 +159,14 @@ class OracleProposer:
         pass
 
 
+# bf16 greedy identity rests on the CPU's per-row ops (a verified token is the same bits as the decoded one).
+# On a GPU a verification chunk runs the prefill tiles, which sum in another order than the decode kernels:
+# in bf16 the tokens part ways (seen on an H200); fp32 holds there.
+BF16_PER_ROW = pytest.param(
+    "bfloat16",
+    marks=pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 chunk and decode kernels differ in bits on a GPU"),
+)
+
 def run(demo_model_dir, prompts, params, spec=None, proposer=None, **engine_args):
     """Every prompt to completion; (token ids per prompt, the engine)."""
     engine_args.setdefault("dtype", "float32")
@@ -187,7 +195,7 @@ def plain(n: int, seed: int) -> list[int]:
 PROMPTS = [repetitive(40, 7, 1), plain(23, 2), repetitive(70, 12, 3), plain(5, 4), repetitive(33, 3, 5)]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", BF16_PER_ROW])
 def test_ngram_greedy_output_is_identical(demo_model_dir, dtype):
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     ref, _ = run(demo_model_dir, PROMPTS, params, dtype=dtype)
@@ -202,7 +210,7 @@ def test_ngram_greedy_output_is_identical(demo_model_dir, dtype):
     assert c["spec_decode_num_accepted_tokens"] > 0  # the random model repeats itself now and then
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", BF16_PER_ROW])
 def test_oracle_drafts_greedy_identical_and_accepted(demo_model_dir, dtype):
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     ref, _ = run(demo_model_dir, PROMPTS, params, dtype=dtype)
