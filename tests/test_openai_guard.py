@@ -306,3 +306,22 @@ def test_a_silent_stream_is_a_504_before_the_first_byte_and_an_error_event_after
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "timeout"
     assert frontend.llm._client.call.cancelled
+
+
+# ---- flags -------------------------------------------------------------------------------------------
+
+
+def test_the_flags_make_the_limits_and_the_api_listens_on_localhost_by_default():
+    from inflight.launcher.cli import _openai_limits, build_parser
+
+    ns = build_parser().parse_args(["serve", "--openai-max-body-bytes", "1000", "--max-num-seqs", "8", "--api-key", "k",
+                                    "--openai-stream-timeout", "0"])  # fmt: skip
+    limits = _openai_limits(ns)
+    assert (limits.max_body_bytes, limits.max_inflight, limits.stream_timeout_s, limits.api_key) == (1000, 32, 0, "k")
+    assert "k" not in repr(limits)
+    assert ns.openai_host == "127.0.0.1"
+    ns = build_parser().parse_args(["openai"])
+    assert ns.host == "127.0.0.1" and _openai_limits(ns) == FrontLimits()
+    ns = build_parser().parse_args(["openai", "--max-inflight-requests", "0"])
+    with pytest.raises(SystemExit, match="max_inflight=0"):
+        _openai_limits(ns)

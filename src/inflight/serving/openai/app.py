@@ -250,6 +250,7 @@ class _Run:
             self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             self.prompt = body.check()
+            await frontend.checkpoint()  # reads max_prompt_bytes (once)
             frontend.check_prompt_size(self.prompt)
             self.echo = self.prompt if body.echo else ""
             max_tokens = body.max_tokens
@@ -383,7 +384,7 @@ def create_app(
     metrics_url: Triton's Prometheus endpoint, where the model publishes its KV cache capacity (caps the
     default max_tokens of chat requests); None: not read.
     limits: the front's bounds (guard.py; default: `default_limits()`). api_key: required as a Bearer token on
-    /v1/* (default: $INFLIGHT_API_KEY, else $VLLM_API_KEY; neither: none).
+    /v1/* (default: limits.api_key, else $INFLIGHT_API_KEY, else $VLLM_API_KEY; none of them: no key).
     """
     limits = limits or default_limits()
     llm = TritonLLM(triton_url, model, MODEL_FIELDS, stream_timeout_s=limits.stream_timeout_s)
@@ -396,7 +397,7 @@ def create_app(
 
     app = FastAPI(title="inflight OpenAI-compatible API", lifespan=lifespan)
     app.state.frontend = frontend
-    app.add_middleware(Guard, limits=limits, api_key=resolve_api_key(api_key))
+    app.add_middleware(Guard, limits=limits, api_key=resolve_api_key(api_key or limits.api_key))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -20,7 +20,7 @@ import asyncio
 import hmac
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 API_KEY_ENV = ("INFLIGHT_API_KEY", "VLLM_API_KEY")
@@ -37,6 +37,7 @@ class FrontLimits:
     # Longest silence of a streamed request's Triton stream (before its first response: queueing and prefill).
     stream_timeout_s: float = 120.0
     max_inflight: int = 256  # generation requests in this front at once (4x the engine's default max_num_seqs)
+    api_key: str | None = field(default=None, repr=False)  # None: $INFLIGHT_API_KEY, else $VLLM_API_KEY, else none
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_inflight"):
