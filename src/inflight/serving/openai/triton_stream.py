@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import re
+import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +162,7 @@ class TritonLLM:
         try:
             while True:
                 try:
-                    result, error = await asyncio.wait_for(anext(responses), timeout)
+                    result, error = await _next(responses, timeout)
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
@@ -220,6 +221,16 @@ def _bytes_scalar(raw: bytes | None) -> bytes | None:
 
 def _uint32_scalar(raw: bytes | None) -> int:
     return int.from_bytes(raw[:4], "little") if raw and len(raw) >= 4 else 0
+
+
+async def _next(responses, timeout: float | None):
+    """The next response, or asyncio.TimeoutError after `timeout` s of silence (None: no bound)."""
+    if timeout is None:
+        return await anext(responses)
+    if sys.version_info >= (3, 11):  # ~3.5 us a message; wait_for's task per message costs ~12 us
+        async with asyncio.timeout(timeout):
+            return await anext(responses)
+    return await asyncio.wait_for(anext(responses), timeout)
 
 
 async def _drain(call) -> None:
