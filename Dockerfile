@@ -22,5 +22,7 @@ RUN bash scripts/install.sh system \
 EXPOSE 8000 8001 8002 9000
 # `inflight serve` finds /opt/tritonserver, serves a copy of model_repository/ (SmolLM2-135M-Instruct unless
 # --model is given; `--model demo`: the random tiny demo model) and stops tritonserver cleanly on SIGTERM
-# (docker stop) or Ctrl-C.
-CMD ["inflight", "serve", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002", "--openai-port", "9000"]
+# (docker stop) or Ctrl-C. The OpenAI API listens on 127.0.0.1 unless told otherwise: in a container, on every
+# interface, for -p 9000:9000 (set INFLIGHT_API_KEY to require a key).
+CMD ["inflight", "serve", "--http-port", "8000", "--grpc-port", "8001", "--metrics-port", "8002", "--openai-port", "9000", \
+     "--openai-host", "0.0.0.0"]

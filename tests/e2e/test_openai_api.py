@@ -270,3 +270,39 @@ def test_response_format_the_grammar_engine_rejects_is_a_400(oai):
     assert info.value.body["param"] == "response_format"
     assert "nonsense" in info.value.body["message"]
 
+
+def test_a_body_over_the_cap_is_a_413_before_it_is_read(api):
+    # Content-Length alone decides: the 20 MB never need to be sent.
+    with socket.create_connection(("127.0.0.1", api.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 20000000\r\n\r\n{\"prompt\": \"")  # fmt: skip
+        reply = b""
+        while chunk := sock.recv(65536):  # the server closes the connection after the 413
+            reply += chunk
+        reply = reply.decode()
+    head, _, body = reply.partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 413"), head
+    assert "max_body_bytes=16777216" in json.loads(body)["error"]["message"]
+
+
+def test_an_oversized_completion_prompt_is_refused_by_the_front(oai):
+    limit = 16 * ENGINE_ARGS["max_model_len"]  # max_prompt_bytes' default
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model="llm", prompt="é" * limit, max_tokens=2)
+    error = info.value.body
+    assert error["param"] == "prompt", error
+    assert f"max_prompt_bytes={limit}" in error["message"] and "refused by the API" in error["message"]
+
+
+def test_the_api_key_is_required_on_v1_only(server, demo_model_dir):
+    import urllib.request
+
+    with OpenAIServer(server.grpc_url, port=0, host="127.0.0.1", model_dir=demo_model_dir, api_key="k3y") as srv:
+        anonymous = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="wrong", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError) as info:
+            anonymous.completions.create(model="llm", prompt="Hello", max_tokens=2)
+        assert info.value.body["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="k3y", max_retries=0, timeout=60)
+        assert client.completions.create(model="llm", prompt="Hello", max_tokens=2).choices[0].text
+        with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as reply:
+            assert reply.status == 200

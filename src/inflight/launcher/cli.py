@@ -117,7 +117,10 @@ def _add_serve(sub) -> None:
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver's --log-verbose level")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other config.pbtxt parameter")
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port (0 = off)")
-    p.add_argument("--openai-host", default="0.0.0.0", help="OpenAI-compatible API address")
+    p.add_argument(
+        "--openai-host", default="127.0.0.1", help="OpenAI-compatible API address (0.0.0.0: every interface)"
+    )
+    _add_openai_limits(p, "--openai-")
     add_engine_args(p)
     p.set_defaults(func=_serve)
 
@@ -130,7 +133,7 @@ def _add_openai(sub) -> None:
     )
     p.add_argument("--triton-url", default="localhost:8001", help="Triton's gRPC endpoint, host:port")
     p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--host", default="127.0.0.1", help="0.0.0.0: every interface")
     p.add_argument("--triton-model", default="llm", help="the Triton model to send requests to")
     p.add_argument("--served-model-name", default=None, help="the `model` clients name (default: --triton-model)")
     p.add_argument(
@@ -145,7 +148,58 @@ def _add_openai(sub) -> None:
         help="Triton's metrics endpoint, where the model publishes its KV cache capacity, which caps the default "
         "max_tokens (default: http://<triton host>:8002/metrics; 'none': not read)",
     )
+    _add_openai_limits(p, "--")
     p.set_defaults(func=_openai)
+
+
+def _add_openai_limits(p: argparse.ArgumentParser, prefix: str) -> None:
+    # Defaults: inflight.serving.openai.guard.FrontLimits (not imported here: it would import FastAPI).
+    g = p.add_argument_group("OpenAI API limits", "unset = the default")
+    keys = [f"{prefix}api-key"] + (["--api-key"] if prefix != "--" else [])  # vLLM's name too
+    g.add_argument(
+        *keys,
+        dest="api_key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $INFLIGHT_API_KEY, else $VLLM_API_KEY, else none)",
+    )
+    g.add_argument(
+        f"{prefix}max-body-bytes",
+        dest="max_body_bytes",
+        type=int,
+        default=None,
+        help="larger request bodies get 413 before they are parsed (default: 16777216 = 16 MiB)",
+    )
+    g.add_argument(
+        f"{prefix}body-timeout",
+        dest="body_timeout_s",
+        type=float,
+        default=None,
+        help="seconds for a request's whole body to arrive, else 408 (0 = no limit; default: 30)",
+    )
+    g.add_argument(
+        f"{prefix}stream-timeout",
+        dest="stream_timeout_s",
+        type=float,
+        default=None,
+        help="seconds a streamed request may wait for Triton's next response, else it is cancelled "
+        "with 504 or an error event (0 = no limit; default: 120)",
+    )
+    g.add_argument(f"{prefix}max-inflight-requests", dest="max_inflight", type=int, default=None,
+                   help="generation requests in flight at once; more get 429 with Retry-After (default: 256, or "
+                   "4 x --max-num-seqs where that is given)")  # fmt: skip
+
+
+def _openai_limits(ns: argparse.Namespace):
+    from inflight.serving.openai.guard import FrontLimits
+
+    names = ("api_key", "max_body_bytes", "body_timeout_s", "stream_timeout_s", "max_inflight")
+    given = {k: getattr(ns, k) for k in names if getattr(ns, k) is not None}
+    if "max_inflight" not in given and getattr(ns, "max_num_seqs", None):
+        given["max_inflight"] = 4 * ns.max_num_seqs
+    try:
+        return FrontLimits(**given)
+    except ValueError as e:
+        raise SystemExit(f"inflight {ns.command}: {e}") from None
 
 
 def _openai(ns: argparse.Namespace) -> int:
@@ -153,12 +207,17 @@ def _openai(ns: argparse.Namespace) -> int:
 
     metrics_url = ns.metrics_url or f"http://{ns.triton_url.rpartition(':')[0] or 'localhost'}:8002/metrics"
     run(ns.triton_url, ns.port, ns.host, model=ns.triton_model, served_model_name=ns.served_model_name,
-        model_dir=ns.model, metrics_url=None if metrics_url == "none" else metrics_url)  # fmt: skip
+        model_dir=ns.model, metrics_url=None if metrics_url == "none" else metrics_url,
+        limits=_openai_limits(ns))  # fmt: skip
     return 0
 
 
 def _serve(ns: argparse.Namespace) -> int:
     from inflight.launcher.server import LauncherError, TritonServer, serve
+    from inflight.serving.openai.guard import set_default_limits
+
+    # serve() builds the OpenAI server with create_app's default limits: these.
+    set_default_limits(_openai_limits(ns))
 
     parameters: dict[str, object] = dict(engine_args(ns))
     model = ns.model

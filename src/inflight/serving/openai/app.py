@@ -4,7 +4,8 @@ Each request becomes one gRPC stream of the `llm` model (triton_stream.py); `str
 Server-Sent Events ending in `data: [DONE]`. A streamed request waits for the model's first response
 before answering, so a request the model rejects still gets a proper 400 rather than an event. When the
 client goes away (during the stream or while a non-streamed request is running), the Triton request is
-cancelled and the engine frees its KV blocks at once.
+cancelled and the engine frees its KV blocks at once. The Guard middleware (guard.py) refuses what must not
+reach the routes: bodies over the cap or too slow, a missing API key, more requests than the in-flight bound.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from inflight.serving.openai import logprobs as lp
 from inflight.serving.openai.chat_template import ChatTemplateError
 from inflight.serving.openai.checkpoint import Checkpoint
+from inflight.serving.openai.guard import FrontLimits, Guard, default_limits, resolve_api_key
 from inflight.serving.openai.protocol import (
     MODEL_FIELDS,
     ChatCompletionRequest,
@@ -36,7 +38,13 @@ from inflight.serving.openai.protocol import (
     RequestError,
     openai_param,
 )
-from inflight.serving.openai.triton_stream import ModelError, ModelOutput, TritonLLM, TritonUnavailable
+from inflight.serving.openai.triton_stream import (
+    ModelError,
+    ModelOutput,
+    TritonLLM,
+    TritonTimeout,
+    TritonUnavailable,
+)
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -45,7 +53,7 @@ _JSON_SEPARATORS = (",", ":")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+    kind = {400: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
@@ -128,6 +136,18 @@ class Frontend:
                 "messages",
             )
 
+    def check_prompt_size(self, prompt: str) -> None:
+        """A completion's prompt against max_prompt_bytes, before it is encoded and sent to the model."""
+        limit = self.max_prompt_bytes
+        if limit is not None and len(prompt) > limit // 4:  # under limit // 4 characters it cannot be over
+            size = len(prompt.encode("utf-8"))
+            if size > limit:
+                raise RequestError(
+                    f"prompt is {size} bytes (UTF-8): the limit is max_prompt_bytes={limit}, the model's bound "
+                    "(refused by the API before sending)",
+                    "prompt",
+                )
+
     def default_max_tokens(self, checkpoint: Checkpoint, num_prompt_tokens: int | None) -> int | None:
         """OpenAI's default: the rest of the context, which is also capped by what the KV cache holds
         (the engine rejects a request that could never fit)."""
@@ -143,6 +163,14 @@ class Frontend:
                 "model",
                 "model_not_found",
             )
+
+
+def _short(value: Any, limit: int = 200) -> str:
+    """A value for an error message, cut short (it may be a list of millions of items)."""
+    if isinstance(value, (list, dict, tuple)) and len(value) > 20:
+        return f"a {type(value).__name__} of {len(value)} items"
+    text = repr(value) if not isinstance(value, str) or len(value) <= limit else repr(value[:limit])
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _kv_capacity(metrics_url: str, model: str) -> int | None:
@@ -222,6 +250,8 @@ class _Run:
             self.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         else:
             self.prompt = body.check()
+            await frontend.checkpoint()  # reads max_prompt_bytes (once)
+            frontend.check_prompt_size(self.prompt)
             self.echo = self.prompt if body.echo else ""
             max_tokens = body.max_tokens
             self.top_logprobs = body.logprobs
@@ -239,6 +269,8 @@ class _Run:
             if e.field is None:
                 return error_response(500, e.message)
             return error_response(400, e.message, openai_param(e.field, self.body))
+        if isinstance(e, TritonTimeout):
+            return error_response(504, str(e), code="timeout")
         if isinstance(e, TritonUnavailable):
             return error_response(503, str(e), code="service_unavailable")
         raise e
@@ -342,6 +374,8 @@ def create_app(
     served_model_name: str | None = None,
     model_dir: str | Path | None = None,
     metrics_url: str | None = None,
+    limits: FrontLimits | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The ASGI app for Triton's gRPC endpoint `triton_url` (host:port), serving Triton model `model`.
 
@@ -349,8 +383,11 @@ def create_app(
     the Triton model's config (the same machine), or the embedded demo model when that is empty.
     metrics_url: Triton's Prometheus endpoint, where the model publishes its KV cache capacity (caps the
     default max_tokens of chat requests); None: not read.
+    limits: the front's bounds (guard.py; default: `default_limits()`). api_key: required as a Bearer token on
+    /v1/* (default: limits.api_key, else $INFLIGHT_API_KEY, else $VLLM_API_KEY; none of them: no key).
     """
-    llm = TritonLLM(triton_url, model, MODEL_FIELDS)
+    limits = limits or default_limits()
+    llm = TritonLLM(triton_url, model, MODEL_FIELDS, stream_timeout_s=limits.stream_timeout_s)
     frontend = Frontend(llm, served_model_name or model, model_dir, metrics_url)
 
     @asynccontextmanager
@@ -360,6 +397,7 @@ def create_app(
 
     app = FastAPI(title="inflight OpenAI-compatible API", lifespan=lifespan)
     app.state.frontend = frontend
+    app.add_middleware(Guard, limits=limits, api_key=resolve_api_key(api_key or limits.api_key))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -372,7 +410,8 @@ def create_app(
         if first.get("type") == "json_invalid":
             return error_response(400, f"the request body is not valid JSON: {first.get('msg')}")
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
-        value = "" if first.get("type") == "missing" else f" (got {first.get('input')!r})"
+        quiet = first.get("type") in ("missing", "too_long", "prompt_list")  # the message says it all
+        value = "" if quiet else f" (got {_short(first.get('input'))})"
         return error_response(400, f"{param}: {first.get('msg')}{value}", param)
 
     @app.get("/v1/models")

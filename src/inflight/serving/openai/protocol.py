@@ -3,13 +3,31 @@
 Only what the engine can honour is accepted: `n` > 1, tools, `logit_bias` and token-id prompts get a
 400 naming the field rather than being silently ignored. Value ranges are checked by the model itself
 (one set of limits), whose INVALID_ARG message is mapped back to the OpenAI field by `openai_param`.
+Lists are bounded here, before pydantic builds their items (a body of millions of token ids or messages
+would otherwise take seconds of the event loop to refuse).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
+
+# Bounds on what pydantic builds per request (the body's size is bounded before, by the Guard).
+MAX_MESSAGES = 8192  # chat messages
+MAX_CONTENT_PARTS = 8192  # text parts, all messages together
+MAX_LIST_ITEMS = 1024  # stop, stop_token_ids, logit_bias, tools, functions (the model bounds stop at 64)
+
+
+def _too_long(field: str, n: int, limit: int, what: str = "items") -> PydanticCustomError:
+    return PydanticCustomError("too_long", f"{field} has {n} {what}: the limit is {limit}")
+
+
+def _bounded(field: str, value: Any, limit: int = MAX_LIST_ITEMS) -> Any:
+    if isinstance(value, (list, dict)) and len(value) > limit:
+        raise _too_long(field, len(value), limit)
+    return value
 
 
 class RequestError(ValueError):
@@ -65,6 +83,11 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
 
+    @field_validator("stop", "stop_token_ids", "logit_bias", mode="before")
+    @classmethod
+    def _bound_lists(cls, value: Any, info) -> Any:
+        return _bounded(info.field_name, value)
+
     def check_common(self) -> None:
         if self.n != 1:
             raise RequestError(f"n={self.n} is not supported: the server returns exactly 1 choice (n=1)", "n")
@@ -113,6 +136,14 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
     suffix: str | None = None
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_string(cls, value: Any) -> Any:
+        # Refused before pydantic validates (millions of) token ids.
+        if isinstance(value, list) and (len(value) != 1 or not isinstance(value[0], str)):
+            raise PydanticCustomError("prompt_list", _PROMPT_LIST)
+        return value
+
     def check(self) -> str:
         """The prompt text, after the checks only the front can make."""
         self.check_common()
@@ -125,11 +156,12 @@ class CompletionRequest(_Sampling):
         prompt = self.prompt
         if isinstance(prompt, list):
             if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise RequestError(
-                    "prompt must be a string or a list of exactly 1 string (no batches, no token ids)", "prompt"
-                )
+                raise RequestError(_PROMPT_LIST, "prompt")
             prompt = prompt[0]
         return prompt
+
+
+_PROMPT_LIST = "prompt must be a string or a list of exactly 1 string (no batches, no token ids)"
 
 
 class TextPart(BaseModel):
@@ -162,6 +194,21 @@ class ChatCompletionRequest(_Sampling):
     # vLLM's extras for the template
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bound_messages(cls, value: Any) -> Any:
+        _bounded("messages", value, MAX_MESSAGES)
+        if isinstance(value, list):
+            parts = sum(len(m["content"]) for m in value if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if parts > MAX_CONTENT_PARTS:
+                raise _too_long("messages", parts, MAX_CONTENT_PARTS, "content parts")
+        return value
+
+    @field_validator("tools", "functions", mode="before")
+    @classmethod
+    def _bound_tools(cls, value: Any, info) -> Any:
+        return _bounded(info.field_name, value)
 
     def check(self) -> None:
         self.check_common()

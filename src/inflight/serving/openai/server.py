@@ -11,6 +11,7 @@ from pathlib import Path
 import uvicorn
 
 from inflight.serving.openai.app import create_app
+from inflight.serving.openai.guard import FrontLimits
 
 
 def _config(triton_url: str, host: str, port: int, **app_kwargs) -> uvicorn.Config:
@@ -21,6 +22,10 @@ def _config(triton_url: str, host: str, port: int, **app_kwargs) -> uvicorn.Conf
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,  # streams still open then are closed, which cancels their Triton requests
+        # uvicorn's own bounds on slow clients: an idle keep-alive connection closes after 5 s (its default
+        # timeout_keep_alive); a request line + headers may not pass 16 KiB (h11); their read time is not
+        # bounded (a reverse proxy's job). The body's size and read time are the Guard's (guard.py).
+        timeout_keep_alive=5,
     )
 
 
@@ -35,15 +40,18 @@ class OpenAIServer:
         self,
         triton_url: str,
         port: int = 9000,
-        host: str = "0.0.0.0",
+        host: str = "127.0.0.1",
         model: str = "llm",
         served_model_name: str | None = None,
         model_dir: str | Path | None = None,
         metrics_url: str | None = None,
+        limits: FrontLimits | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
-        kwargs = dict(model=model, served_model_name=served_model_name, model_dir=model_dir, metrics_url=metrics_url)
+        kwargs = dict(model=model, served_model_name=served_model_name, model_dir=model_dir, metrics_url=metrics_url,
+                      limits=limits, api_key=api_key)  # fmt: skip
         self._server = uvicorn.Server(_config(triton_url, host, port, **kwargs))
         self._thread: threading.Thread | None = None
 
@@ -89,7 +97,7 @@ def _stopped(signum, _frame) -> None:
     raise _Stopped
 
 
-def run(triton_url: str, port: int = 9000, host: str = "0.0.0.0", **app_kwargs) -> None:
+def run(triton_url: str, port: int = 9000, host: str = "127.0.0.1", **app_kwargs) -> None:
     """Serve in the foreground until Ctrl-C / SIGTERM, then return."""
     # uvicorn shuts down on the signal, restores the handlers it found and raises the signal again so
     # that the process ends "by" it; with these handlers that ends here, as a clean stop.
