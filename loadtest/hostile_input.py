@@ -100,7 +100,34 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
 
 def openai_post(api: str, path: str, payload: dict | bytes) -> tuple[int | None, str]:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    if len(body) > 1 << 20:
+        return post_announced(api, path, body)
     return http("POST", f"{api}{path}", body, {"Content-Type": "application/json"})
+
+
+def post_announced(api: str, path: str, body: bytes) -> tuple[int | None, str]:
+    """A large body announced by its Content-Length: a server that refuses it answers before reading it, so
+    the answer is read first (a client still writing would only see the connection close)."""
+    import http.client
+    import select
+    import urllib.parse
+
+    url = urllib.parse.urlsplit(api)
+    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=120)
+    conn.putrequest("POST", path)
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(len(body)))
+    conn.endheaders()
+    early = bool(select.select([conn.sock], [], [], 2.0)[0])
+    if not early:  # it wants the body
+        try:
+            conn.send(body)
+        except OSError as e:
+            return None, f"closed while sending ({e!r})"[:160]
+    resp = conn.getresponse()
+    text = resp.read(4096).decode(errors="replace")[:160]
+    conn.close()
+    return resp.status, ("answered before the body was sent: " if early else "") + text
 
 
 def big_schema(salt: int, size_bytes: int = 210_000) -> dict:
@@ -278,7 +305,8 @@ def run(ctx: dict[str, Any], config: EngineConfig, only: list[str] | None) -> di
 
     client, launcher = ctx["client"], ctx["launcher"]
     client.generate("warm up", {"max_tokens": 4})
-    results = {}
+    results: dict[str, Any] = {}
+    start_mb = 0.0
     for attack in attacks(ctx, config):
         if only and attack.name != "baseline" and not any(o.lower() in attack.name.lower() for o in only):
             continue
@@ -297,6 +325,7 @@ def run(ctx: dict[str, Any], config: EngineConfig, only: list[str] | None) -> di
                     time.sleep(0.1)
 
         before = rss_mb(descendants(launcher.pid))
+        start_mb = start_mb if results else before
         watcher = threading.Thread(target=normal, daemon=True)
         watcher.start()
         started = time.monotonic()
@@ -319,6 +348,7 @@ def run(ctx: dict[str, Any], config: EngineConfig, only: list[str] | None) -> di
             "normal_failures": len(failures),
             "memory_mb_before": round(before),
             "memory_mb_after": round(after),
+            "memory_vs_run_start": round(after / start_mb, 3),
         }
         ok_ttft = row["normal_ttft_max_s"] is not None and row["normal_ttft_max_s"] < TTFT_LIMIT_S
         ok_memory = after <= before * (1 + MEMORY_SLACK)
@@ -326,7 +356,8 @@ def run(ctx: dict[str, Any], config: EngineConfig, only: list[str] | None) -> di
         results[attack.name] = row
         print(
             f"{'ok  ' if row['met'] else 'MISS'} {attack.name:<38} TTFT max {row['normal_ttft_max_s']} s "
-            f"(p50 {row['normal_ttft_p50_s']}, {len(failures)} failed), memory {before:.0f} -> {after:.0f} MB, "
+            f"(p50 {row['normal_ttft_p50_s']}, {len(failures)} failed), memory {before:.0f} -> {after:.0f} MB "
+            f"({row['memory_vs_run_start']:.2f}x the run's start), "
             f"{elapsed:.1f} s: {row['attacker_got'][:150]}",
             flush=True,
         )
