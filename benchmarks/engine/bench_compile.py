@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from benchmarks.common.models import resolve_model
-from benchmarks.engine.bench_decode_step import batch_metadata
 from inflight.config import DTYPES
 from inflight.executor.attention import TorchBackend
+from inflight.executor.attention.metadata import consecutive_batch
 from inflight.executor.model_runner import ModelRunner
 from inflight.models import loader
 
@@ -65,19 +65,19 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         t0 = time.perf_counter()
         with torch.no_grad():
             for b in sorted({min(args.batch), max(args.batch)}):  # the compiles a run of both sizes needs
-                positions, meta, _ = batch_metadata([args.context] * b, [1] * b, 16, cpu)
+                positions, meta, _ = consecutive_batch([args.context] * b, [1] * b, 16, cpu)
                 compiled(torch.zeros(len(positions), dtype=torch.long), positions, meta, plain.kv_caches, ops)
         row["compile_s"] = time.perf_counter() - t0
         row["steps"] = []
         with torch.no_grad():
             for b in args.batch:
-                positions, _, _ = batch_metadata([args.context] * b, [1] * b, 16, cpu)
+                positions, _, _ = consecutive_batch([args.context] * b, [1] * b, 16, cpu)
                 ids = torch.randint(0, cfg.vocab_size, (len(positions),))
                 times: dict[str, list[float]] = {p: [] for p in paths}
                 outs: dict[str, torch.Tensor] = {}
                 for i in range(args.repeats + 1):
                     for p, forward in paths.items():
-                        meta = batch_metadata([args.context] * b, [1] * b, 16, cpu)[1]
+                        meta = consecutive_batch([args.context] * b, [1] * b, 16, cpu)[1]
                         t1 = time.perf_counter()
                         outs[p] = forward(ids, positions, meta)
                         if i:
@@ -96,12 +96,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def time_runner(runner: ModelRunner, b: int, args: argparse.Namespace) -> float:
     """Median ms of the runner's forward at batch b (decode rows of args.context tokens)."""
-    positions, _, _ = batch_metadata([args.context] * b, [1] * b, 16, torch.device("cpu"))
+    positions, _, _ = consecutive_batch([args.context] * b, [1] * b, 16, torch.device("cpu"))
     ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),))
     times = []
     with torch.inference_mode():
         for i in range(args.repeats + 1):
-            meta = batch_metadata([args.context] * b, [1] * b, 16, torch.device("cpu"))[1]
+            meta = consecutive_batch([args.context] * b, [1] * b, 16, torch.device("cpu"))[1]
             t0 = time.perf_counter()
             runner.forward(ids, positions, meta)
             if i:

@@ -32,34 +32,10 @@ import torch
 
 from benchmarks.common.models import resolve_model
 from inflight.config import DTYPES
-from inflight.executor.attention import AttentionMetadata
+from inflight.executor.attention.metadata import consecutive_batch
 from inflight.executor.model_runner import ModelRunner
 from inflight.models.loader import load_model
 from inflight.models.packed_linear import PackedLinear
-
-
-def batch_metadata(seq_lens: list[int], query_lens: list[int], block_size: int, device: torch.device):
-    """A batch whose sequences own consecutive blocks: the layout the scheduler would produce."""
-    seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
-    n = np.asarray(query_lens, dtype=np.int64)
-    nblk = -(-seq_lens_np // block_size)
-    tables = np.zeros((len(seq_lens), int(nblk.max())), dtype=np.int32)
-    first = np.concatenate([[0], np.cumsum(nblk)[:-1]])
-    for row, (f, k) in enumerate(zip(first, nblk)):
-        tables[row, :k] = np.arange(f, f + k)
-    qsl = np.concatenate([[0], np.cumsum(n)])
-    positions = np.concatenate([np.arange(s - q, s) for s, q in zip(seq_lens_np, n)])
-    rows = np.repeat(np.arange(len(seq_lens)), n)
-    slots = tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    meta = AttentionMetadata(
-        slot_mapping=torch.from_numpy(slots).to(device),
-        query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens_np.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(tables).to(device),
-        query_start_loc_np=qsl,
-        seq_lens_np=seq_lens_np,
-    )
-    return torch.from_numpy(positions).to(device), meta, int(nblk.sum())
 
 
 def _forward(runner: ModelRunner, path: str):
@@ -82,7 +58,7 @@ def _sync(device: torch.device) -> None:
 def time_step(runner: ModelRunner, seq_lens, query_lens, repeats: int) -> dict[str, float]:
     """Median seconds of one forward (all layers + logits of the last token of each sequence) per path,
     the paths taking turns so that a noisy minute hits both alike."""
-    positions, meta0, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
+    positions, meta0, _ = consecutive_batch(seq_lens, query_lens, runner.block_size, runner.device)
     ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),)).to(runner.device)
     last = torch.from_numpy(meta0.query_start_loc_np[1:] - 1).to(runner.device)
     times: dict[str, list[float]] = {path: [] for path in paths(runner)}
@@ -90,7 +66,7 @@ def time_step(runner: ModelRunner, seq_lens, query_lens, repeats: int) -> dict[s
         for i in range(repeats + 1):
             for path, seconds in times.items():
                 forward = _forward(runner, path)
-                meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]  # fresh cache
+                meta = consecutive_batch(seq_lens, query_lens, runner.block_size, runner.device)[1]  # fresh cache
                 _sync(runner.device)
                 t0 = time.perf_counter()
                 hidden = forward(ids, positions, meta)
@@ -104,7 +80,7 @@ def time_step(runner: ModelRunner, seq_lens, query_lens, repeats: int) -> dict[s
 def profile_step(runner: ModelRunner, seq_lens, query_lens, top: int = 12, path: str = "runner") -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
-    positions, meta, _ = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)
+    positions, meta, _ = consecutive_batch(seq_lens, query_lens, runner.block_size, runner.device)
     ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),)).to(runner.device)
     last = torch.from_numpy(meta.query_start_loc_np[1:] - 1).to(runner.device)
     forward = _forward(runner, path)
@@ -112,7 +88,7 @@ def profile_step(runner: ModelRunner, seq_lens, query_lens, top: int = 12, path:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch.inference_mode():
         forward(ids, positions, meta)
-        meta = batch_metadata(seq_lens, query_lens, runner.block_size, runner.device)[1]
+        meta = consecutive_batch(seq_lens, query_lens, runner.block_size, runner.device)[1]
         _sync(runner.device)
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()

@@ -93,24 +93,30 @@ class SpeculativeConfig:
         """From a dict or its JSON text (the CLI flag, the config.pbtxt parameter); None, "" or {} is off."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"speculative_config is not valid JSON ({e}): {value[:200]!r}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"speculative_config must be a JSON object (a dict), not {type(value).__name__}")
+        value = json_object(value, "speculative_config", {f.name for f in fields(cls)})
         if not value:
             return None
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"speculative_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
         if "num_speculative_tokens" not in value:
             raise ConfigError("speculative_config.num_speculative_tokens is required")
         return cls(**value)
+
+
+def json_object(value: dict[str, Any] | str | None, name: str, known: set[str]) -> dict[str, Any] | None:
+    """An engine argument given as a dict or its JSON text (a flag, a config.pbtxt parameter), its keys
+    checked against `known`; None for None or blank text."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{name} is not valid JSON ({e}): {value[:200]!r}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{name} must be a JSON object (a dict), not {type(value).__name__}")
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"{name} has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
+    return value
 
 
 @dataclass

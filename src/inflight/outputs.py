@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 
@@ -45,3 +46,16 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output carrying both deltas of a request (`later` is the newer)."""
+    logprobs = None
+    if first.new_logprobs is not None or later.new_logprobs is not None:
+        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
+    return dataclasses.replace(
+        later,
+        new_token_ids=first.new_token_ids + later.new_token_ids,
+        new_text=first.new_text + later.new_text,
+        new_logprobs=logprobs,
+    )

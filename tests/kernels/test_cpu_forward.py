@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.batches import batch_metadata
 from test_loader import CASES, make_checkpoint
 
 from inflight.executor.attention import AttentionMetadata
+from inflight.executor.attention.metadata import consecutive_batch
 from inflight.executor.cpu_forward import CpuForward
 from inflight.executor.model_runner import ModelRunner
 from inflight.models.loader import load_model
@@ -35,7 +35,7 @@ def runner_for(path, dtype: torch.dtype) -> ModelRunner:
 
 def step_inputs(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     seq_lens, query_lens = zip(*BATCH)
-    positions, meta, _ = batch_metadata(list(seq_lens), list(query_lens), BLOCK, torch.device("cpu"))
+    positions, meta, _ = consecutive_batch(list(seq_lens), list(query_lens), BLOCK, torch.device("cpu"))
     ids = torch.randint(0, runner.model.cfg.vocab_size, (len(positions),), generator=torch.Generator().manual_seed(1))
     return ids, positions, meta
 

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import zmq
 
 from inflight.config import EngineConfig
 from inflight.engine import wire
+from inflight.log import setup as log_setup
 from inflight.sampling_params import InvalidRequestError
 
 log = logging.getLogger("inflight.engine.core")
@@ -51,7 +51,7 @@ class CoreSpec:
 
 def run_core(spec: CoreSpec, input_addr: str, output_addr: str, parent_pid: int) -> None:
     """The child's main (spawn target)."""
-    _setup_logging()
+    log_setup("[core]")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the whole group: the front stops us
     ctx = zmq.Context(io_threads=1)
     inbox = ctx.socket(zmq.PULL)
@@ -221,11 +221,3 @@ class EngineCore:
             record = dataclasses.asdict(stats) | {"wall_time": time.time()}
             self.step_log.write(json.dumps(record) + "\n")
 
-
-def _setup_logging() -> None:
-    logger = logging.getLogger("inflight")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s[core] %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)

@@ -5,7 +5,6 @@ step() = schedule → forward → sample → append → detokenize → finish/fr
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -28,7 +27,7 @@ from inflight.model_source import resolve_model
 from inflight.models.config import ModelConfig
 from inflight.models.loader import config_errors, load_model, load_tokenizer
 from inflight.ops import dtype_probe
-from inflight.outputs import RequestOutput, TokenLogprob
+from inflight.outputs import RequestOutput, TokenLogprob, merge_outputs
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 from inflight.text.detokenizer import IncrementalDetokenizer, detokenize_batch
 
@@ -369,7 +368,7 @@ class LLMEngine:
                 self.block_manager.cache_full_blocks(seq)
             for out in self._process_samples([s for s, _ in live], [t for _, t in live], None):
                 i = index[out.request_id]
-                outputs[i] = _merge_outputs(outputs[i], out)
+                outputs[i] = merge_outputs(outputs[i], out)
             r += 1
 
     def _process_samples(self, seqs: list[Sequence], sampled, logprobs=None) -> list[RequestOutput]:
@@ -510,18 +509,6 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
         )
 
-
-def _merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying both deltas of a request (`later` is the newer)."""
-    logprobs = None
-    if first.new_logprobs is not None or later.new_logprobs is not None:
-        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
-    return dataclasses.replace(
-        later,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_text=first.new_text + later.new_text,
-        new_logprobs=logprobs,
-    )
 
 
 def tokenize_prompt(tokenizer, prompt: str, max_prompt_bytes: int, max_model_len: int) -> list[int]:

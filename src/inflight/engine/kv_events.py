@@ -10,15 +10,15 @@ vLLM's `ZmqEventPublisher` sends it. Block hashes are the low 64 bits of our sha
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from inflight.config import ConfigError
+from inflight.config import ConfigError, json_object
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -70,20 +70,8 @@ class KVEventsConfig:
 
     @classmethod
     def parse(cls, value: str | dict | None) -> KVEventsConfig:
-        if value is None or value == "":
-            return cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"kv_events_config={value!r} is invalid: must be a JSON object")
-        known = {"enable_kv_cache_events", "publisher", "endpoint", "topic"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ConfigError(f"kv_events_config has unknown key(s) {unknown}; known: {', '.join(sorted(known))}")
-        config = cls(**value)
+        known = {f.name for f in dataclasses.fields(cls)}
+        config = cls(**(json_object(value, "kv_events_config", known) or {}))
         if config.publisher not in ("zmq", "null"):
             raise ConfigError(f"kv_events_config.publisher={config.publisher!r} is invalid: must be zmq or null")
         return config

@@ -33,7 +33,7 @@ from inflight.engine.core_client import CoreClient, CoreError
 from inflight.engine.engine import check_params, tokenize_prompt
 from inflight.engine.stats import EngineSnapshot
 from inflight.models.loader import load_tokenizer
-from inflight.outputs import RequestOutput
+from inflight.outputs import RequestOutput, merge_outputs
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("inflight.serving.engine_loop")
@@ -80,18 +80,6 @@ class _Route:
         self.prompt_token_ids = prompt_token_ids
         self.ended = False
 
-
-def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:
-    """One output carrying both deltas (`later` is the newer)."""
-    logprobs = None
-    if first.new_logprobs is not None or later.new_logprobs is not None:
-        logprobs = (first.new_logprobs or []) + (later.new_logprobs or [])
-    return dataclasses.replace(
-        later,
-        new_token_ids=first.new_token_ids + later.new_token_ids,
-        new_text=first.new_text + later.new_text,
-        new_logprobs=logprobs,
-    )
 
 
 _COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",

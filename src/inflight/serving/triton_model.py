@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import triton_python_backend_utils as pb_utils
 from inflight.coerce import field_types, parse_scalar, type_name
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.core import CoreSpec
+from inflight.log import setup as log_setup
 from inflight.model_source import ModelSourceError, resolve_model
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError
@@ -192,7 +192,7 @@ class TritonPythonModel:
     engine_class = "inflight.engine.engine:LLMEngine"
 
     def initialize(self, args: dict) -> None:
-        _setup_logging()
+        log_setup()
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ConfigError("config.pbtxt must set model_transaction_policy { decoupled: true }")
@@ -276,11 +276,3 @@ def _make_metrics(labels: dict[str, str]) -> TritonMetrics | None:
         log.warning("metrics disabled: %s", e)
         return None
 
-
-def _setup_logging() -> None:
-    logger = logging.getLogger("inflight")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
