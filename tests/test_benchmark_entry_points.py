@@ -269,6 +269,15 @@ def test_bench_decode_step(demo_model_dir):
     assert "float32: copy bandwidth" in text and "prefill 16 tokens" in text
 
 
+def test_bench_spec_decode_outputs_are_identical_with_and_without(demo_model_dir, tmp_path):
+    out = tmp_path / "spec.json"
+    run("benchmarks.engine.bench_spec_decode", "--model", demo_model_dir, "--max-tokens", "12", "--repeats", "1",
+        "--out", str(out))  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["trace"], r["in_flight"]) for r in rows} == {("grounded", 1), ("grounded", 8), ("free", 1), ("free", 8)}
+    assert all(r["identical"] and r["on"]["tokens"] == r["off"]["tokens"] for r in rows)
+
+
 @pytest.mark.slow
 def test_bench_compile(demo_model_dir):
     args = ["--model", demo_model_dir, "--batch", "1", "--context", "16", "--repeats", "1"]
@@ -296,6 +305,16 @@ def test_serving_overhead(demo_model_dir, tmp_path):
     args = ["--model", demo_model_dir, "--num-requests", "8", "--output-len", "4", "16", "--prompt-len", "8", "32"]
     run("benchmarks.serving.serving_overhead", *args, "--concurrency", "4", "--out", str(tmp_path), timeout=400)
     assert list(tmp_path.glob("*.json")), list(tmp_path.iterdir())
+
+
+def test_peers_served_names_what_it_lacks(tmp_path):
+    # It drives vLLM-CPU's server and AIPerf from their own virtualenvs, which a test machine does not have.
+    env = {"AIPERF_VENV": str(tmp_path / "no-aiperf"), "VLLM_VENV": str(tmp_path / "no-vllm")}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.serving.peers_served", "--out", str(tmp_path)],
+        cwd=ROOT, env=dict(os.environ) | {"PYTHONPATH": str(ROOT)} | env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode != 0 and "no aiperf in" in done.stderr and "make aiperf-openai" in done.stderr
 
 
 @pytest.mark.slow
