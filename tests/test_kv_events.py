@@ -11,14 +11,13 @@ import pytest
 import zmq
 
 from inflight import SamplingParams
-from inflight.config import ConfigError, EngineConfig
+from inflight.config import ConfigError, EngineConfig, KVEventsConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventsConfig,
     external_hash,
 )
 
@@ -100,4 +99,6 @@ def test_every_event_chains_to_its_parent(demo_model_dir):
 def test_bad_kv_events_config_is_named(value, match):
     with pytest.raises(ConfigError, match=match):
         KVEventsConfig.parse(value)
+    with pytest.raises(ConfigError, match=match):  # at once, before any model loads
+        EngineConfig(device="cpu", kv_events_config=value)
     assert not KVEventsConfig.parse(None).enabled

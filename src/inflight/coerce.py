@@ -20,8 +20,8 @@ def field_types(cls: type) -> dict[str, Any]:
 
 @functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
-    # Resolving the annotations (get_type_hints) took ~0.2 ms, twice for every request's SamplingParams,
-    # on the thread that admits requests: once per class is enough.
+    # Resolving the annotations (get_type_hints) is slow, and every request builds SamplingParams on the
+    # thread that admits requests: once per class is enough.
     hints = typing.get_type_hints(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):

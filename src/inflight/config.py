@@ -119,6 +119,29 @@ def json_object(value: dict[str, Any] | str | None, name: str, known: set[str]) 
     return value
 
 
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `kv_events_config` names: `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    "tcp://*:5557", "topic": ""}`. Off unless `enable_kv_cache_events`."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    topic: str = ""
+
+    @classmethod
+    def parse(cls, value: str | dict | None) -> KVEventsConfig:
+        known = {f.name for f in fields(cls)}
+        config = cls(**(json_object(value, "kv_events_config", known) or {}))
+        if config.publisher not in ("zmq", "null"):
+            raise ConfigError(f"kv_events_config.publisher={config.publisher!r} is invalid: must be zmq or null")
+        return config
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
 @dataclass
 class EngineConfig:
     max_num_seqs: int = 64
@@ -136,8 +159,8 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: launch every decode step's kernels from Python instead of CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
-    # vLLM's kv_events_config (JSON text or a dict): publish the prefix cache's changes for KV-aware routers
-    kv_events_config: str | None = None
+    # vLLM's kv_events_config (a dict or its JSON text): publish the prefix cache's changes for KV-aware routers
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # Speculative decoding (off when None): a dict or its JSON text, held as a SpeculativeConfig once checked.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     # Bounds on what one request may cost (errors name the field and the limit).
@@ -191,6 +214,7 @@ class EngineConfig:
         check(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes", ">= 1")
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.attention_backend == "triton" and not self.device.startswith("cuda") and not _triton_interpreted():

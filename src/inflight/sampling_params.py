@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import typing
@@ -87,8 +88,8 @@ class StructuredOutputsParams:
     def kind(self) -> str:
         return next(k for k in self.CONSTRAINTS if getattr(self, k) is not None)
 
-    @property
-    def key(self) -> tuple[str, str, bool]:
+    @functools.cached_property
+    def key(self) -> tuple[str, str, bool]:  # the schema's canonical text: serialized once
         kind = self.kind
         spec = getattr(self, kind)
         text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, ensure_ascii=False)

@@ -15,7 +15,7 @@ import torch
 
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.kv_cache import BlockManager
-from inflight.engine.kv_events import AllBlocksCleared, KVEventsConfig, ZmqEventPublisher
+from inflight.engine.kv_events import AllBlocksCleared, ZmqEventPublisher
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
 from inflight.engine.spec_decode.decoder import SpecDecoder
@@ -24,8 +24,8 @@ from inflight.engine.structured_output import StructuredOutputManager, check_str
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
 from inflight.model_source import resolve_model
-from inflight.models.config import ModelConfig
-from inflight.models.loader import config_errors, load_model, load_tokenizer
+from inflight.models.config import ModelConfig, config_errors
+from inflight.models.loader import load_model, load_tokenizer
 from inflight.ops import dtype_probe
 from inflight.outputs import RequestOutput, TokenLogprob, merge_outputs
 from inflight.sampling_params import InvalidRequestError, SamplingParams
@@ -65,7 +65,7 @@ class LLMEngine:
                 f"kv_reservation='max_length' needs max_model_len={self.max_model_len} tokens per sequence but the "
                 f"KV cache holds {self.num_kv_blocks * block_size}; lower max_model_len or raise the KV budget"
             )
-        events = KVEventsConfig.parse(config.kv_events_config)
+        events = config.kv_events_config
         self.block_manager = BlockManager(
             self.num_kv_blocks, block_size, config.enable_prefix_caching, record_events=events.enabled
         )
@@ -270,20 +270,27 @@ class LLMEngine:
                 self.structured_outputs.wait_for_compile(0.01)  # idle but for compiles: do not spin
             return outputs
         num_running = len(self.scheduler.running)
-        spec = sched.spec_token_ids or [[]] * len(sched.seqs)
-        decode = [
-            n
-            for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, spec)
-            if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
-        ]
+        if sched.spec_token_ids is None:
+            decode = [
+                n
+                for s, n in zip(sched.seqs, sched.num_scheduled_tokens)
+                if n == 1 and s.num_computed_tokens == s.num_tokens - 1
+            ]
+        else:
+            decode = [
+                n
+                for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids)
+                if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
+            ]
         num_decode = (len(decode), sum(decode))  # sequences, tokens (a verifying one's drafts too)
         parts, failed = self._run_isolating(sched)
         if len(failed) > 1 and not parts:  # every sequence failed: the engine's failure, not theirs
             raise failed[0][1]
         for part, _, _, _ in parts:
-            drafts = part.spec_token_ids or [[]] * len(part.seqs)
-            for seq, n, d in zip(part.seqs, part.num_scheduled_tokens, drafts):
-                seq.num_computed_tokens += n - len(d)  # drafts count once accepted (_process_verified)
+            drafted = part.spec_token_ids is not None
+            for i, (seq, n) in enumerate(zip(part.seqs, part.num_scheduled_tokens)):
+                # drafts count once accepted (_process_verified)
+                seq.num_computed_tokens += n - len(part.spec_token_ids[i]) if drafted else n
                 self.block_manager.cache_full_blocks(seq)
         for part, result, sampling, sampled in parts:
             if result.num_spec_tokens is None:
@@ -315,24 +322,41 @@ class LLMEngine:
             sampled = self.sampler(result.logits, rows, bitmask, result.sampling_metadata)
         return result, sampling, sampled
 
-    def _run_isolating(self, sched: SchedulerOutput) -> tuple[list[tuple], list[tuple[Sequence, Exception]]]:
+    def _run_isolating(
+        self, sched: SchedulerOutput, top: bool = True
+    ) -> tuple[list[tuple], list[tuple[Sequence, Exception]]]:
         """Runs the step; if it fails, runs halves of it until the sequences that fail alone are found, so
         that one request's failure is its own. Rows do not depend on their neighbours, so the others'
-        tokens are the ones the whole step would have given."""
+        tokens are the ones the whole step would have given. If both halves of the whole step fail too,
+        the failure is the engine's, not a request's: it is raised at once (three forwards, not 2N - 1)."""
         try:
             return [(sched, *self._forward_and_sample(sched))], []
         except Exception as error:
             if len(sched.seqs) == 1:
                 return [], [(sched.seqs[0], error)]
-            logger.exception("a step of %d sequences failed; finding the one(s) it failed on", len(sched.seqs))
-        parts, failed = [], []
+            if top:
+                logger.exception("a step of %d sequences failed; finding the one(s) it failed on", len(sched.seqs))
+            first = error
         mid = len(sched.seqs) // 2
-        for lo, hi in ((0, mid), (mid, len(sched.seqs))):
-            half = sched.part(lo, hi)
-            p, f = self._run_isolating(half)
+        halves = [sched.part(0, mid), sched.part(mid, len(sched.seqs))]
+        outcomes = [self._try(half) if top else None for half in halves]
+        if top and outcomes[0] is None and outcomes[1] is None:
+            raise first
+        parts, failed = [], []
+        for half, outcome in zip(halves, outcomes):
+            if outcome is not None:
+                parts.append(outcome)
+                continue
+            p, f = self._run_isolating(half, top=False)
             parts += p
             failed += f
         return parts, failed
+
+    def _try(self, sched: SchedulerOutput) -> tuple | None:
+        try:
+            return (sched, *self._forward_and_sample(sched))
+        except Exception:
+            return None
 
     def _process_verified(self, part: SchedulerOutput, result, seqs: list[Sequence], sampled) -> list[RequestOutput]:
         """Tokens of a step that verified drafts: each sequence's accepted drafts and the token after them go

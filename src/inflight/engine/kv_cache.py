@@ -53,7 +53,9 @@ class BlockManager:
 
     def take_events(self) -> list[KVCacheEvent]:
         """The prefix cache's changes since the last call, in order."""
-        events, self._events = self._events or [], [] if self._events is not None else None
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
         return events
 
     @property
@@ -121,8 +123,9 @@ class BlockManager:
                 self._block_hash[block] = h
                 self._block_tokens[block] = self._block_tokens_of(seq, i)
                 self._cached[h] = block
-                stored.append(i)
-        if self._events is not None and stored:
+                if self._events is not None:
+                    stored.append(i)
+        if stored:
             self._record_stored(hashes, stored)
         seq.num_registered_blocks = num_full
 

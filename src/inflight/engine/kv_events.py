@@ -10,15 +10,13 @@ vLLM's `ZmqEventPublisher` sends it. Block hashes are the low 64 bits of our sha
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from inflight.config import ConfigError, json_object
+from inflight.config import KVEventsConfig
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -56,29 +54,6 @@ class KVEventBatch(EventBatch):
 def external_hash(block_hash: bytes) -> int:
     """The hash a router sees: the low 64 bits of the block's sha256 chain hash."""
     return int.from_bytes(block_hash[-8:], "big")
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """vLLM's `kv_events_config` names: `{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
-    "tcp://*:5557", "topic": ""}`. Off unless `enable_kv_cache_events`."""
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "zmq"
-    endpoint: str = "tcp://*:5557"
-    topic: str = ""
-
-    @classmethod
-    def parse(cls, value: str | dict | None) -> KVEventsConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        config = cls(**(json_object(value, "kv_events_config", known) or {}))
-        if config.publisher not in ("zmq", "null"):
-            raise ConfigError(f"kv_events_config.publisher={config.publisher!r} is invalid: must be zmq or null")
-        return config
-
-    @property
-    def enabled(self) -> bool:
-        return self.enable_kv_cache_events and self.publisher == "zmq"
 
 
 class ZmqEventPublisher:

@@ -42,6 +42,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.static = config.scheduling_policy == "static"
+        self.speculative = config.speculative_config is not None  # else no draft bookkeeping per step
         self.reserve_max_length = config.kv_reservation == "max_length"
         # Both queues stay sorted by (priority, arrival, admission order): lower priority values first,
         # so the running queue's tail holds the preemption victims and the waiting queue's head is next.
@@ -98,6 +99,7 @@ class Scheduler:
             self._admit_static_batch()
 
         i = 0
+        speculative = self.speculative
         drafts: list[list[int]] = []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -118,12 +120,14 @@ class Scheduler:
             else:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
-                drafts.append(seq.spec_token_ids[: max(n - unspec, 0)])
-                seq.spec_token_ids = []
+                if speculative:
+                    drafts.append(seq.spec_token_ids[: max(n - unspec, 0)])
+                    seq.spec_token_ids = []
                 budget -= n
                 i += 1
-        for seq in self.running[i:]:  # not scheduled this step: their drafts would be stale by the next
-            seq.spec_token_ids = []
+        if speculative:  # the ones not scheduled this step: their drafts would be stale by the next
+            for j in range(i, len(self.running)):
+                self.running[j].spec_token_ids = []
 
         if not self.static and not out.preempted:
             w = 0
@@ -143,7 +147,7 @@ class Scheduler:
                 out.seqs.append(seq)
                 out.num_scheduled_tokens.append(n)
                 budget -= n
-        if any(drafts):
+        if speculative and any(drafts):
             out.spec_token_ids = drafts + [[] for _ in range(len(out.seqs) - len(drafts))]
         return out
 

@@ -38,13 +38,10 @@ class ModelOutput:
     num_spec_tokens: np.ndarray | None = None  # [S] drafts each of those sequences verifies; None: none does
 
 
-# With OMP_WAIT_POLICY=PASSIVE, OpenMP threads sleep between ops and each op wakes them again (tens of us
-# in this project's VMs); a step whose GEMMs are this small (tokens x one layer's weights, multiply-adds)
-# runs faster on the calling thread alone. Measured, quiet 2-core machine, decode step on one thread vs
-# two: llama50m bf16 13.3 vs 19.4 ms at batch 1, 13.9 vs 18.3 at 4, 23.0 vs 28.2 at 16, 53.7 vs 41.2 at
-# 32; the demo model (0.74M weights a layer) 1.8 vs 3.4 ms at batch 1, 6.7 vs 6.3 at 32. The same
-# bound applies to the output layer when it is bigger than a layer. This is only where ThreadChooser
-# starts: on another host (session 4: ~0.3 ms a wake-up) bf16's crossover was 48-64 tokens.
+# With OMP_WAIT_POLICY=PASSIVE, OpenMP threads sleep between ops and each op wakes them again; a step whose
+# GEMMs are this small (tokens x one layer's weights, multiply-adds) runs faster on the calling thread alone
+# (docs/PERFORMANCE.md, "Threads and OpenMP policy"). The same bound applies to the output layer when it is
+# bigger than a layer. It is only where ThreadChooser starts: the crossover depends on the host.
 SINGLE_THREAD_LAYER_MACS = 32e6
 
 
@@ -52,7 +49,7 @@ class ThreadChooser:
     """The forward's thread count per step size, chosen from measured step times.
 
     Whether a second core pays for a step depends on the step's size, the dtype and the host (how long a
-    sleeping OpenMP thread takes to wake: 0.03-0.3 ms on this project's VMs). Steps are bucketed by token
+    sleeping OpenMP thread takes to wake). Steps are bucketed by token
     count (powers of two); a bucket starts from the static rule (`single_below` tokens), runs the other
     count every `explore_every`-th step, and keeps whichever has the lower moving average of seconds per
     step. Outputs do not depend on the thread count (every CPU op sums each row in a fixed order; tested),
@@ -126,9 +123,7 @@ class ModelRunner:
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
         packed = sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, PackedLinear))
         layer_weights = packed + sum(p.numel() for p in layer.parameters())
-        # A large vocabulary's output layer is one GEMM bigger than a whole layer (llama32k: 16.4M weights vs
-        # 3.2M): it alone decides there (measured: one thread for its small steps lost 20% of llama32k's
-        # fp32 throughput in make bench-peers).
+        # A large vocabulary's output layer can be one GEMM bigger than a whole layer: then it alone decides.
         head = model.cfg.hidden_size * model.cfg.vocab_size
         # CPU with sleeping OpenMP threads only: below this many tokens a step starts on one thread (0: none
         # does), and the chooser measures from there (a big model's small steps may still be faster alone).
@@ -136,10 +131,8 @@ class ModelRunner:
         self.single_thread_tokens = int(SINGLE_THREAD_LAYER_MACS // max(1, layer_weights, head)) if adaptive else 0
         explore_every = 16
         if self.cpu_forward is not None:
-            # It wakes the threads once a step, not once an op: on a quiet machine every core paid at every step
-            # size measured (llama50m, two threads vs one: 1.2x at batch 1, 1.1-1.9x up to 64), so every size
-            # starts on all threads. With both cores shared (two busy processes), one thread was faster at
-            # batch 1 (5.4 vs 13.2 ms), two still at 64 (116 vs 153 ms): one thread is tried every 64th step.
+            # It wakes the threads once a step, not once an op: every size starts on all threads, and one thread
+            # is tried every 64th step (it wins small steps when other processes keep every core busy).
             self.single_thread_tokens, explore_every = 0, 64
         self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens, explore_every) if adaptive else None
 
@@ -180,7 +173,7 @@ class ModelRunner:
                 starts = np.cumsum(counts) - counts
                 offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
                 last = np.repeat(last - spec, counts) + offsets
-            # A decode step samples every row in order: no gather (it cost ~45 us a step, ~2% of a small model's).
+            # A decode step samples every row in order: no gather.
             if len(last) != len(hidden) or not np.array_equal(last, np.arange(len(hidden))):
                 hidden = hidden[torch.from_numpy(last).to(self.device)]
             logits = self.model.compute_logits(hidden)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,15 +40,13 @@ class ModelConfig:
     @classmethod
     def load(cls, model: str | Path) -> ModelConfig:
         """From an HF directory's config.json or a GGUF file's metadata (a .gguf, or a directory holding one)."""
-        from inflight.model_source import ModelSourceError, find_gguf, gguf_metadata
+        from inflight.model_source import find_gguf, gguf_metadata
 
-        try:
+        with config_errors():
             gguf_file = find_gguf(model)
             if gguf_file is None:
                 return cls.from_dir(model)
             return cls.from_hf_dict(gguf_metadata(gguf_file).hf_config(), source=str(gguf_file))
-        except ModelSourceError as e:
-            raise ConfigError(str(e)) from None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -99,3 +99,14 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
+
+
+@contextlib.contextmanager
+def config_errors() -> Iterator[None]:
+    """A model source's error (inflight.model_source, torch-free) as the engine's ConfigError."""
+    from inflight.model_source import ModelSourceError
+
+    try:
+        yield
+    except ModelSourceError as e:
+        raise ConfigError(str(e)) from None

@@ -3,9 +3,7 @@ or a GGUF file (a .gguf, or a directory holding one; tensors dequantized by mode
 
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -13,8 +11,8 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 
 from inflight.config import ConfigError
-from inflight.model_source import ModelSourceError, find_gguf, gguf_metadata
-from inflight.models.config import ModelConfig
+from inflight.model_source import find_gguf, gguf_metadata
+from inflight.models.config import ModelConfig, config_errors
 from inflight.models.gguf_loader import read_tensors
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import pack_linears
@@ -37,15 +35,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if not files:
         raise ConfigError(f"{model_dir}: no *.safetensors file (and no model.safetensors.index.json)")
     return files
-
-
-@contextlib.contextmanager
-def config_errors() -> Iterator[None]:
-    """A model source's error (inflight.model_source, torch-free) as the engine's ConfigError."""
-    try:
-        yield
-    except ModelSourceError as e:
-        raise ConfigError(str(e)) from None
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:

@@ -118,8 +118,7 @@ def token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Ten
     A prompt token at position p attends to tokens 0..p exactly as a decode step at p would, through the
     same op: a token's attention is then the same bits whether it arrives in a prompt, a chunk, after a
     cached prefix or after preemption (SDPA's results depend on the chunk's length and split). It is
-    also faster than SDPA on prompts here (llama50m, one prompt, bf16: 0.89x the time at 64 tokens,
-    0.94x at 256, 0.65x at 1024; fp32 0.88x / 0.92x / 0.78x).
+    also faster than SDPA on prompts here (docs/PERFORMANCE.md, "CPU attention").
     """
     qlens = meta.query_lens_np
     if (qlens == 1).all():

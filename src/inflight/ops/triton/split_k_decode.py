@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 # A split must stream enough keys to amortize its fixed cost (loading Q, writing an fp32 partial,
-# the merge pass and its launch). Measured on an H100 (docs/BENCHMARKS.md): at 512 tokens two slices of
-# 256 ran 1.2-3.6x slower than one pass at batch 1-16, while slices of >= 512 won at 2k-8k contexts.
+# the merge pass and its launch); the threshold comes from GPU runs (docs/BENCHMARKS.md, split-K).
 MIN_TOKENS_PER_SPLIT = 512
 # More splits than this add merge traffic without adding useful parallelism on current GPUs.
 MAX_SPLITS = 16

@@ -31,7 +31,7 @@ class FrontLimits:
     """The front's own bounds; flags of `inflight openai` and `inflight serve --openai-*`."""
 
     # 16 MiB: 4x (JSON escaping, \\uXXXX for non-ASCII) the default max_prompt_bytes of a 128k-token model
-    # (16 bytes a token = 2 MiB), twice over. JSON parsing of a body this size takes ~0.1-0.3 s.
+    # (16 bytes a token = 2 MiB), twice over; it bounds the JSON parse on the event loop.
     max_body_bytes: int = 16 << 20
     body_timeout_s: float = 30.0  # the whole body, from the request's start
     # Longest silence of a streamed request's Triton stream (before its first response: queueing and prefill).
