@@ -35,4 +35,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}  # GiB
 
 # The checkpoint comes from the project's environment (the same deterministic weights as the benchmark).
 MODEL_DIR=$(.venv/bin/python -c "from benchmarks.common.models import resolve_model; print(resolve_model('$MODEL'))")
-PYTHONPATH=. exec "$VENV/bin/python" -m benchmarks.peers.bench_vllm_cpu --model-dir "$MODEL_DIR" "$@"
+PYTHONPATH=.:src exec "$VENV/bin/python" -m benchmarks.peers.bench_vllm_cpu --model-dir "$MODEL_DIR" "$@"
