@@ -2,8 +2,8 @@
 Dynamo's frontend (OpenAI API + KV-aware router) in front, all on loopback. Ctrl-C stops everything.
 
 No etcd and no NATS: Dynamo's file discovery (DYN_FILE_KV, a temporary directory), TCP request plane and
-ZMQ event plane. Replica i uses ports base+10i (HTTP), +1 (gRPC), +2 (metrics), +3 (its KV-event PUB socket),
-+4 (its own OpenAI front, with --replica-openai).
+ZMQ event plane. Replica i uses ports base+10i (HTTP), +1 (gRPC), +2 (metrics), +3 (its own OpenAI front, with
+--replica-openai); its engine publishes KV events on an ipc:// socket its worker subscribes to.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ DYNAMO_PLANES = ["--discovery-backend", "file", "--request-plane", "tcp", "--eve
 class Replica:
     index: int
     server: TritonServer
-    kv_events_port: int
+    kv_events_endpoint: str
     openai_port: int = 0
     worker: subprocess.Popen | None = None
     openai: subprocess.Popen | None = None
@@ -98,8 +98,11 @@ class Cluster:
                 params = dict(self.parameters)
                 if self.model is not None:
                     params["model"] = self.model
+                # An ipc:// socket: the engine binds it (a tcp:// address without a wildcard it would connect to),
+                # and nothing off this machine can reach it.
+                kv_endpoint = f"ipc://{self._dir}/replica{i}-kv-events"
                 params["kv_events_config"] = json.dumps(
-                    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{LOOPBACK}:{base + 3}"}
+                    {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": kv_endpoint}
                 )
                 server = TritonServer(
                     None,
@@ -114,7 +117,7 @@ class Cluster:
                         f"--metrics-address={LOOPBACK}",
                     ],
                 )
-                self.members.append(Replica(i, server, base + 3, base + 4 if self.replica_openai else 0))
+                self.members.append(Replica(i, server, kv_endpoint, base + 3 if self.replica_openai else 0))
                 server.start()
             for r in self.members:
                 r.server.wait_ready(timeout_s)
@@ -134,7 +137,7 @@ class Cluster:
                         "--namespace",
                         self.namespace,
                         "--kv-events-endpoint",
-                        f"tcp://{LOOPBACK}:{r.kv_events_port}",
+                        r.kv_events_endpoint,
                         *DYNAMO_PLANES,
                     ],
                 )
@@ -252,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="as `inflight serve --model` ('demo': the tiny random model)")
     p.add_argument("--router-mode", default="kv", help="Dynamo's: kv | round-robin | random | ...")
     p.add_argument("--http-port", type=int, default=8080, help="the Dynamo frontend's OpenAI API port")
-    p.add_argument("--base-port", type=int, default=18000, help="replica i: base+10i .. base+10i+4")
+    p.add_argument("--base-port", type=int, default=18000, help="replica i: base+10i .. base+10i+3")
     p.add_argument("--replica-openai", action="store_true", help="also each replica's own OpenAI front (base+10i+4)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a config.pbtxt parameter")
     p.add_argument("--log-dir", default=None, help="one log per process here (default: the terminal)")
