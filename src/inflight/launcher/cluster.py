@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -59,6 +60,12 @@ class Cluster:
     replica_openai: bool = False
     log_dir: Path | None = None
     namespace: str = "inflight"
+    # Dynamo's KV router scores a worker by the prompt blocks it would have to prefill (x this) plus its
+    # decode load; None = Dynamo's default (1), which lets load win over cached prefixes on a small cache
+    # (tests/test_cluster.py uses 10).
+    prefill_load_scale: float | None = None
+    # In-flight requests of a worker that dies move to another worker (Dynamo's request migration).
+    migration_limit: int = 3
     frontend_args: list[str] = field(default_factory=list)
     members: list[Replica] = field(default_factory=list)
     frontend: subprocess.Popen | None = None
@@ -174,6 +181,9 @@ class Cluster:
                     "--namespace",
                     self.namespace,
                     *DYNAMO_PLANES,
+                    "--migration-limit",
+                    str(self.migration_limit),
+                    *self._router_args(),
                     *self.frontend_args,
                 ],
             )
@@ -182,6 +192,11 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    def _router_args(self) -> list[str]:
+        if self.router_mode != "kv" or self.prefill_load_scale is None:
+            return []
+        return ["--router-prefill-load-scale", str(self.prefill_load_scale)]
 
     def model_name(self) -> str | None:
         try:
@@ -257,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--http-port", type=int, default=8080, help="the Dynamo frontend's OpenAI API port")
     p.add_argument("--base-port", type=int, default=18000, help="replica i: base+10i .. base+10i+3")
     p.add_argument("--replica-openai", action="store_true", help="also each replica's own OpenAI front (base+10i+4)")
+    p.add_argument("--prefill-load-scale", type=float, default=None, help="KV router: weight of blocks to prefill")
+    p.add_argument("--frontend-args", default="", help="more `python -m dynamo.frontend` arguments (one string)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="a config.pbtxt parameter")
     p.add_argument("--log-dir", default=None, help="one log per process here (default: the terminal)")
     return p
@@ -279,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         params,
         ns.replica_openai,
         Path(ns.log_dir) if ns.log_dir else None,
+        prefill_load_scale=ns.prefill_load_scale,
+        frontend_args=shlex.split(ns.frontend_args),
     )
     stop = False
 
