@@ -28,6 +28,7 @@ from dynamo.common.backend.publisher import KvEventSource, ZmqSource
 from dynamo.common.backend.run import run
 from dynamo.common.backend.worker import WorkerConfig
 from dynamo.llm import ModelInput
+from dynamo.llm.exceptions import InvalidArgument, WorkerUnavailable
 
 from inflight.model_source import ModelSourceError, resolve_model
 from inflight.serving.dynamo.request import finish_reason, router_endpoint, sampling_parameters, usage
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--exit-after-unready",
         type=float,
-        default=3.0,
+        default=1.0,
         help="leave the cluster once tritonserver is unreachable this long (seconds; 0 = never)",
     )
     return p
@@ -79,6 +80,7 @@ class TritonReplicaEngine(LLMEngine):
         self.context_length: int | None = None
         self._watch: asyncio.Task | None = None
         self._stops: dict[str, asyncio.Event] = {}
+        self._suspect = asyncio.Event()
 
     @classmethod
     async def from_args(cls, argv: list[str] | None = None) -> tuple[TritonReplicaEngine, WorkerConfig]:
@@ -204,9 +206,11 @@ class TritonReplicaEngine(LLMEngine):
                 if out.final:
                     return
         except ModelError as e:
-            raise ValueError(e.message) from None
+            raise InvalidArgument(e.message) from None
         except TritonUnavailable as e:
-            raise RuntimeError(str(e)) from None
+            self._suspect.set()  # check the replica now rather than at the next poll
+            # Dynamo's frontend may move the request to another worker (its --migration-limit).
+            raise WorkerUnavailable(str(e)) from None
         finally:
             stopped.cancel()
             self._stops.pop(request_id, None)
@@ -224,7 +228,9 @@ class TritonReplicaEngine(LLMEngine):
         down_since = None
         loop = asyncio.get_running_loop()
         while True:
-            await asyncio.sleep(0.5)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._suspect.wait(), 0.25 if down_since else 1.0)
+            self._suspect.clear()
             if await self.llm.ready():
                 down_since = None
                 continue
@@ -232,6 +238,7 @@ class TritonReplicaEngine(LLMEngine):
             down_since = down_since or now
             if now - down_since >= self.ns.exit_after_unready:
                 log.error("tritonserver at %s unreachable for %.1fs: leaving", self.ns.triton_url, now - down_since)
+                os.environ.setdefault("DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS", "0")  # nothing to drain
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
