@@ -217,9 +217,9 @@ class Cluster:
         raise LauncherError(f"the Dynamo frontend at {self.url} did not list the model within {timeout_s:.0f}s")
 
     def _registered(self) -> int:
-        """Workers in file discovery (one instance record each under the generate endpoint)."""
-        root = self._dir / "discovery"
-        return sum(1 for p in root.rglob("*") if p.is_file() and "generate" in str(p.relative_to(root)))
+        """Workers in file discovery: one instance record each (v1/instances/<namespace/component/endpoint/id>)."""
+        root = self._dir / "discovery" / "v1" / "instances"
+        return sum(1 for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
     def _check_alive(self) -> None:
         for name, proc in [("frontend", self.frontend)] + [(f"worker{r.index}", r.worker) for r in self.members]:
