@@ -80,6 +80,8 @@ class Cluster:
         env.update({name: LOOPBACK for name in DYNAMO_HOST_ENV})
         env["DYN_FILE_KV"] = str(self._dir / "discovery")
         env.setdefault("DYN_LOG", "warn")
+        # Stopping the cluster stops the frontend first: a worker has nothing left to drain.
+        env.setdefault("DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS", "0")
         return env
 
     def _log(self, name: str):
@@ -241,7 +243,7 @@ class Cluster:
         procs = [self.frontend] + [p for r in self.members for p in (r.worker, r.openai)]
         for proc in procs:
             if proc is not None and proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGINT)
+                os.killpg(proc.pid, signal.SIGTERM)
         for proc in procs:
             if proc is None:
                 continue
@@ -299,13 +301,11 @@ def main(argv: list[str] | None = None) -> int:
         prefill_load_scale=ns.prefill_load_scale,
         frontend_args=shlex.split(ns.frontend_args),
     )
-    stop = False
-
     def on_signal(signum, frame):
-        nonlocal stop
-        stop = True
+        raise KeyboardInterrupt  # also where SIGINT was ignored (a background job of a non-interactive shell)
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         cluster.start()
         print(
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             f"OpenAI API at {cluster.url}/v1 (model {cluster.model_name()!r}). Ctrl-C stops all.",
             flush=True,
         )
-        while not stop:
+        while True:
             cluster._check_alive()
             time.sleep(1)
     except KeyboardInterrupt:
