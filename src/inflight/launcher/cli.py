@@ -251,15 +251,62 @@ def _serve(ns: argparse.Namespace) -> int:
         return 1
 
 
+def _add_dynamo_worker(sub) -> None:
+    p = sub.add_parser(
+        "dynamo-worker",
+        help="register a running replica with NVIDIA Dynamo (needs scripts/install_dynamo.sh)",
+        description="A Dynamo worker for one replica: `inflight dynamo-worker --help` lists its options.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_dynamo_worker)
+
+
+def _dynamo_worker(ns: argparse.Namespace | list[str]) -> int:
+    try:
+        from inflight.serving.dynamo.worker import main
+    except ImportError as e:
+        print(f"inflight dynamo-worker: NVIDIA Dynamo is not installed ({e}): run scripts/install_dynamo.sh",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    return main(ns if isinstance(ns, list) else ns.args)
+
+
+def _add_cluster(sub) -> None:
+    p = sub.add_parser(
+        "cluster",
+        help="N replicas + a Dynamo worker each + Dynamo's frontend with the KV router, on loopback",
+        description="A local cluster: `inflight cluster --help` lists its options.",
+        add_help=False,
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=_cluster)
+
+
+def _cluster(ns: argparse.Namespace | list[str]) -> int:
+    from inflight.launcher.cluster import main
+
+    return main(ns if isinstance(ns, list) else ns.args)
+
+
+# Commands that parse their own arguments (argparse's REMAINDER misses a leading option).
+_PASSTHROUGH = {"dynamo-worker": _dynamo_worker, "cluster": _cluster}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inflight", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_openai(sub)
+    _add_dynamo_worker(sub)
+    _add_cluster(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _PASSTHROUGH:
+        return _PASSTHROUGH[argv[0]](argv[1:])
     ns = build_parser().parse_args(argv)
     return ns.func(ns)
 

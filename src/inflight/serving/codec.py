@@ -25,6 +25,7 @@ RETURN_FLAGS = {
     "return_num_input_tokens": "num_input_tokens",
     "return_num_output_tokens": "num_output_tokens",
     "return_num_cached_tokens": "num_cached_tokens",
+    "return_token_ids": "token_ids",
 }
 
 
@@ -36,14 +37,27 @@ class DecodedRequest:
     prepend_prompt: bool
     returns: frozenset[str]  # names of the optional outputs asked for
     priority: int = 0
+    # `input_ids` instead of `text_input`: a client that tokenized already (NVIDIA Dynamo's frontend, whose
+    # KV router hashes the same ids the engine caches); `prompt` is then "".
+    prompt_token_ids: list[int] | None = None
 
 
 def decode_request(request, max_json_bytes: int = 256 << 10, max_json_depth: int = 64) -> DecodedRequest:
     """Read a vLLM-backend-style request; raise InvalidRequestError naming the field. The sampling
     parameters' JSON is bounded in size (before parsing) and nesting."""
-    prompt = _text(request, "text_input", required=True)
-    if prompt == "":
-        raise InvalidRequestError("text_input is empty: give a prompt of at least one character")
+    ids_tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    prompt_token_ids = None
+    if ids_tensor is not None:
+        if pb_utils.get_input_tensor_by_name(request, "text_input") is not None:
+            raise InvalidRequestError("input_ids and text_input are both given: send one prompt")
+        prompt_token_ids = [int(t) for t in ids_tensor.as_numpy().reshape(-1)]
+        if not prompt_token_ids:
+            raise InvalidRequestError("input_ids is empty: give at least one token id")
+        prompt = ""
+    else:
+        prompt = _text(request, "text_input", required=True)
+        if prompt == "":
+            raise InvalidRequestError("text_input is empty: give a prompt of at least one character")
     stream = _flag(request, "stream", False)
     exclude = _flag(request, "exclude_input_in_output", None)
     if stream and exclude is False:
@@ -54,7 +68,7 @@ def decode_request(request, max_json_bytes: int = 256 << 10, max_json_depth: int
     returns = frozenset(out for flag, out in RETURN_FLAGS.items() if _flag(request, flag, False))
     priority_tensor = pb_utils.get_input_tensor_by_name(request, "priority")
     priority = int(priority_tensor.as_numpy().reshape(-1)[0]) if priority_tensor is not None else 0
-    return DecodedRequest(prompt, params, stream, not stream and not exclude, returns, priority)
+    return DecodedRequest(prompt, params, stream, not stream and not exclude, returns, priority, prompt_token_ids)
 
 
 def _sampling_params(request, max_bytes: int, max_depth: int) -> SamplingParams:
@@ -120,6 +134,7 @@ class ResponseDelta:
     num_input_tokens: int
     num_output_tokens: int
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (the same in every response)
+    token_ids: list[int] | None = None  # the output token ids this response carries
 
 
 def encode_response(delta: ResponseDelta, returns: frozenset[str], decode_token: Callable[[int], str]):
@@ -136,6 +151,8 @@ def encode_response(delta: ResponseDelta, returns: frozenset[str], decode_token:
         tensors.append(_tensor("num_output_tokens", [delta.num_output_tokens], np.uint32))
     if "num_cached_tokens" in returns:
         tensors.append(_tensor("num_cached_tokens", [delta.num_cached_tokens], np.uint32))
+    if "token_ids" in returns:
+        tensors.append(_tensor("token_ids", delta.token_ids or [], np.int32))
     return pb_utils.InferenceResponse(output_tensors=tensors)
 
 

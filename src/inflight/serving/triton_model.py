@@ -120,6 +120,7 @@ class ResponseWriter:
         self.done = False
         self._text: list[str] = []
         self._num_tokens = 0
+        self._token_ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
 
     def is_cancelled(self) -> bool:
@@ -133,6 +134,7 @@ class ResponseWriter:
             self.first_token_time = now
         self._text.append(out.new_text)
         self._num_tokens += len(out.new_token_ids)
+        self._token_ids += out.new_token_ids
         self._logprobs += out.new_logprobs or []
         if out.finished:
             self._send(out, final=True)
@@ -161,9 +163,10 @@ class ResponseWriter:
             num_input_tokens=len(out.prompt_token_ids),
             num_output_tokens=self._num_tokens,
             num_cached_tokens=out.num_cached_tokens,
+            token_ids=self._token_ids,
         )
         response = encode_response(delta, self.req.returns, self._decode_token)
-        self._text, self._num_tokens, self._logprobs = [], 0, []
+        self._text, self._num_tokens, self._token_ids, self._logprobs = [], 0, [], []
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         self.sender.send(response, flags=flags)
         self._sent = True
@@ -227,7 +230,10 @@ class TritonPythonModel:
                 decoded = decode_request(request, cfg.max_sampling_parameters_bytes, cfg.max_json_depth)
                 self.loop.check_params(decoded.params)
                 # Tokenized here, on Triton's thread: the engine core only computes.
-                prompt_token_ids = self.loop.tokenize(decoded.prompt)
+                if decoded.prompt_token_ids is not None:
+                    prompt_token_ids = decoded.prompt_token_ids  # the engine checks length and vocabulary
+                else:
+                    prompt_token_ids = self.loop.tokenize(decoded.prompt)
             except InvalidRequestError as e:
                 self._reject(request, ErrorKind.INVALID, str(e))
                 continue

@@ -55,6 +55,8 @@ class ModelOutput:
     num_input_tokens: int  # the prompt's length (every response repeats it)
     num_output_tokens: int  # tokens this response carries
     logprobs: list[dict[str, dict]] | None  # the vLLM backend's per-token {token_id: {logprob, rank, decoded_token}}
+    token_ids: list[int] | None = None  # this response's output token ids (when asked for: return_token_ids)
+    num_cached_tokens: int = 0  # prompt tokens from the prefix cache (when asked for: return_token_ids)
 
 
 # Messages of the model's InvalidRequestError name the field first: "max_tokens=-1 is invalid: ...",
@@ -131,17 +133,24 @@ class TritonLLM:
 
     async def generate(
         self,
-        prompt: str,
+        prompt: str | list[int],
         sampling_parameters: Mapping[str, Any],
         *,
         stream: bool,
         logprobs: bool = False,
         request_id: str = "",
+        token_ids: bool = False,
     ) -> AsyncIterator[ModelOutput]:
         """Yield the model's responses; raise ModelError / TritonUnavailable. Leaving the iteration before
-        the final response (an exception, a cancelled task, `aclose()`) cancels the request on the server."""
+        the final response (an exception, a cancelled task, `aclose()`) cancels the request on the server.
+        A prompt of token ids goes as `input_ids`; `token_ids=True` returns the output token ids and the
+        cached prompt token count too."""
+        if isinstance(prompt, str):
+            prompt_input = _input("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_))
+        else:
+            prompt_input = _input("input_ids", np.asarray(prompt, dtype=np.int32))
         inputs = [
-            _input("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_)),
+            prompt_input,
             _flag("stream", stream),
             _input("sampling_parameters", np.array([json.dumps(dict(sampling_parameters)).encode()], dtype=np.object_)),
             _flag("exclude_input_in_output", True),
@@ -151,6 +160,8 @@ class TritonLLM:
         ]
         if logprobs:
             inputs.append(_flag("return_logprobs", True))
+        if token_ids:
+            inputs += [_flag("return_token_ids", True), _flag("return_num_cached_tokens", True)]
 
         async def requests():
             yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
@@ -208,6 +219,8 @@ class TritonLLM:
             num_input_tokens=_uint32_scalar(raw.get("num_input_tokens")),
             num_output_tokens=_uint32_scalar(raw.get("num_output_tokens")),
             logprobs=json.loads(logprobs) if logprobs is not None else None,
+            token_ids=np.frombuffer(raw["token_ids"], dtype="<i4").tolist() if "token_ids" in raw else None,
+            num_cached_tokens=_uint32_scalar(raw.get("num_cached_tokens")),
         )
 
 

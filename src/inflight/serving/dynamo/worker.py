@@ -1,0 +1,284 @@
+"""`inflight dynamo-worker`: one Triton replica registered with NVIDIA Dynamo as a token-in, token-out
+`LLMEngine` (dynamo.common.backend), with the replica's KV events as its `ZmqSource`.
+
+    inflight dynamo-worker --triton-url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \\
+        --discovery-backend file --request-plane tcp --event-plane zmq
+
+Needs the optional Dynamo install (scripts/install_dynamo.sh). The worker exits when its tritonserver stays
+unreachable for `--exit-after-unready` seconds: Dynamo then drops it from discovery and routes elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import signal
+import urllib.request
+from collections.abc import AsyncGenerator
+from pathlib import Path
+
+from dynamo._core import Context
+from dynamo.common.backend.engine import EngineConfig, GenerateChunk, GenerateRequest, LLMEngine, LlmRegistration
+from dynamo.common.backend.publisher import KvEventSource, ZmqSource
+from dynamo.common.backend.run import run
+from dynamo.common.backend.worker import WorkerConfig
+from dynamo.llm import ModelInput
+from dynamo.llm.exceptions import InvalidArgument, WorkerUnavailable
+
+from inflight.model_source import ModelSourceError, resolve_model
+from inflight.serving.dynamo.request import finish_reason, router_endpoint, sampling_parameters, usage
+from inflight.serving.openai.triton_stream import ModelError, TritonLLM, TritonUnavailable
+
+log = logging.getLogger("inflight.dynamo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="inflight dynamo-worker", description=__doc__.splitlines()[0])
+    p.add_argument("--triton-url", default="127.0.0.1:8001", help="the replica's tritonserver gRPC address")
+    p.add_argument("--triton-model", default="llm")
+    p.add_argument("--metrics-url", default=None, help="the replica's Triton metrics (KV block count); 'none' = skip")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint for Dynamo's tokenizer and chat template (default: the replica's `model` parameter)",
+    )
+    p.add_argument("--served-model-name", default=None, help="the name clients use (default: the model's)")
+    p.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        help="the replica's KV-event PUB socket to relay (default: from its kv_events_config; "
+        "'none' = no KV events, the router then only approximates)",
+    )
+    p.add_argument("--namespace", default="inflight")
+    p.add_argument("--component", default="backend")
+    p.add_argument("--endpoint", default="generate")
+    p.add_argument("--endpoint-types", default="chat,completions")
+    p.add_argument("--discovery-backend", default="file", help="file | etcd | kubernetes (Dynamo's)")
+    p.add_argument("--request-plane", default="tcp")
+    p.add_argument("--event-plane", default="zmq")
+    p.add_argument(
+        "--exit-after-unready",
+        type=float,
+        default=1.0,
+        help="leave the cluster once tritonserver is unreachable this long (seconds; 0 = never)",
+    )
+    return p
+
+
+class TritonReplicaEngine(LLMEngine):
+    """Forwards Dynamo's token requests to one tritonserver over gRPC streaming (the OpenAI front's client)."""
+
+    def __init__(self, ns: argparse.Namespace) -> None:
+        self.ns = ns
+        self.llm: TritonLLM | None = None
+        self.kv_source: ZmqSource | None = None
+        self.context_length: int | None = None
+        self._watch: asyncio.Task | None = None
+        self._stops: dict[str, asyncio.Event] = {}
+        self._suspect = asyncio.Event()
+
+    @classmethod
+    async def from_args(cls, argv: list[str] | None = None) -> tuple[TritonReplicaEngine, WorkerConfig]:
+        ns = build_parser().parse_args(argv)
+        engine = cls(ns)
+        # Dynamo's model card (tokenizer, chat template, context length) comes from the checkpoint directory;
+        # the registration happens after start(), which resolves it from the replica when --model is absent.
+        params = await engine._replica_parameters()
+        ns.model = engine._resolve_model(ns.model or params.get("model", ""))
+        ns.served_model_name = ns.served_model_name or Path(ns.model).name
+        engine.params = params
+        config = WorkerConfig(
+            namespace=ns.namespace,
+            component=ns.component,
+            endpoint=ns.endpoint,
+            model_name=ns.model,
+            served_model_name=ns.served_model_name,
+            model_input=ModelInput.Tokens,
+            endpoint_types=ns.endpoint_types,
+            discovery_backend=ns.discovery_backend,
+            request_plane=ns.request_plane,
+            event_plane=ns.event_plane,
+            enable_kv_routing=True,
+        )
+        return engine, config
+
+    async def _replica_parameters(self) -> dict[str, str]:
+        llm = TritonLLM(self.ns.triton_url, self.ns.triton_model)
+        try:
+            for _ in range(600):  # the replica may still be loading its model
+                if await llm.ready():
+                    return await llm.parameters()
+                await asyncio.sleep(0.5)
+            raise SystemExit(
+                f"inflight dynamo-worker: model '{self.ns.triton_model}' at {self.ns.triton_url} not ready"
+            )
+        finally:
+            await llm.close()
+
+    @staticmethod
+    def _resolve_model(spec: str) -> str:
+        try:
+            return str(resolve_model(spec))
+        except ModelSourceError as e:
+            raise SystemExit(f"inflight dynamo-worker: model {spec!r}: {e}") from None
+
+    async def start(self, worker_id: int) -> EngineConfig:
+        del worker_id
+        self.llm = TritonLLM(self.ns.triton_url, self.ns.triton_model)
+        params = self.params
+        block_size = int(params.get("block_size") or 16)
+        self.context_length = _int(params.get("max_model_len")) or _checkpoint_context_length(self.ns.model)
+        endpoint = self.ns.kv_events_endpoint
+        if endpoint is None:
+            found = router_endpoint(params.get("kv_events_config"))
+            if found is not None:
+                self.kv_source = ZmqSource(endpoint=found[0], topic=found[1], dp_rank=0)
+        elif endpoint != "none":
+            self.kv_source = ZmqSource(endpoint=endpoint, topic="", dp_rank=0)
+        if self.kv_source is None:
+            log.warning("the replica publishes no KV events: the KV router can only approximate what it caches")
+        else:
+            log.info("relaying the replica's KV events from %s", self.kv_source.endpoint)
+        total_blocks = None
+        capacity = _metric(self._metrics_url(), "inflight_kv_cache_capacity_tokens")
+        if capacity is not None:
+            total_blocks = int(capacity) // block_size
+        if self.ns.exit_after_unready > 0:
+            self._watch = asyncio.get_running_loop().create_task(self._watch_replica())
+        return EngineConfig(
+            model=self.ns.model,
+            served_model_name=self.ns.served_model_name,
+            llm=LlmRegistration(
+                context_length=self.context_length,
+                kv_cache_block_size=block_size,
+                total_kv_blocks=total_blocks,
+                max_num_seqs=_int(params.get("max_num_seqs")),
+                max_num_batched_tokens=_int(params.get("max_num_batched_tokens")),
+            ),
+        )
+
+    def _metrics_url(self) -> str | None:
+        if self.ns.metrics_url == "none":
+            return None
+        if self.ns.metrics_url:
+            return self.ns.metrics_url
+        host = self.ns.triton_url.rpartition(":")[0] or "127.0.0.1"
+        return f"http://{host}:8002/metrics"
+
+    async def kv_event_sources(self) -> list[KvEventSource]:
+        return [self.kv_source] if self.kv_source is not None else []
+
+    async def generate(self, request: GenerateRequest, context: Context) -> AsyncGenerator[GenerateChunk, None]:
+        assert self.llm is not None
+        prompt = list(request.get("token_ids") or [])
+        params = sampling_parameters(dict(request), self.context_length)
+        request_id = context.id() or ""
+        stop = self._stops[request_id] = asyncio.Event()
+        stream = self.llm.generate(prompt, params, stream=True, request_id=request_id, token_ids=True)
+        completion_tokens = 0
+        stopped = asyncio.ensure_future(stop.wait())
+        try:
+            while True:
+                step = asyncio.ensure_future(anext(stream))
+                await asyncio.wait((step, stopped), return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():  # aborted: leaving cancels the request on Triton (its KV blocks go back)
+                    step.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                        await step
+                    yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+                    return
+                try:
+                    out = step.result()
+                except StopAsyncIteration:
+                    return
+                ids = out.token_ids or []
+                completion_tokens += len(ids)
+                chunk: GenerateChunk = {"token_ids": ids, "index": 0}
+                if out.final:
+                    chunk["finish_reason"] = finish_reason(out.finish_reason) or "stop"
+                    chunk["completion_usage"] = usage(out.num_input_tokens, completion_tokens, out.num_cached_tokens)
+                yield chunk
+                if out.final:
+                    return
+        except ModelError as e:
+            raise InvalidArgument(e.message) from None
+        except TritonUnavailable as e:
+            self._suspect.set()  # check the replica now rather than at the next poll
+            # Dynamo's frontend may move the request to another worker (its --migration-limit).
+            raise WorkerUnavailable(str(e)) from None
+        finally:
+            stopped.cancel()
+            self._stops.pop(request_id, None)
+            await stream.aclose()
+
+    async def abort(self, context: Context) -> None:
+        stop = self._stops.get(context.id() or "")
+        if stop is not None:
+            stop.set()
+
+    async def _watch_replica(self) -> None:
+        """Leave the cluster when the replica is gone: a SIGTERM runs Dynamo's graceful shutdown, which
+        unregisters this worker, so the router stops sending it requests."""
+        assert self.llm is not None
+        down_since = None
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._suspect.wait(), 0.25 if down_since else 1.0)
+            self._suspect.clear()
+            if await self.llm.ready():
+                down_since = None
+                continue
+            now = loop.time()
+            down_since = down_since or now
+            if now - down_since >= self.ns.exit_after_unready:
+                log.error("tritonserver at %s unreachable for %.1fs: leaving", self.ns.triton_url, now - down_since)
+                os.environ.setdefault("DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS", "0")  # nothing to drain
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+
+    async def cleanup(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            self._watch = None
+        if self.llm is not None:
+            await self.llm.close()
+            self.llm = None
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text not in (None, "") else None
+    except ValueError:
+        return None
+
+
+def _checkpoint_context_length(model: str) -> int | None:
+    path = Path(model) / "config.json"
+    try:
+        return int(json.loads(path.read_text()).get("max_position_embeddings"))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _metric(url: str | None, name: str) -> float | None:
+    if not url:
+        return None
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    run(TritonReplicaEngine, argv)
+    return 0
