@@ -14,11 +14,17 @@ class FlakyEngine(LLMEngine):
 
     def step(self):
         failed = self.__dict__.setdefault("failed", set())
-        for seq in self._seqs.values():
-            p = seq.sampling_params
-            if p.max_tokens == FAIL_ONCE_MAX_TOKENS and len(seq.output_token_ids) >= 2 and seq.request_id not in failed:
-                failed.add(seq.request_id)
-                raise RuntimeError("injected fault")
+        due = [
+            seq.request_id
+            for seq in self._seqs.values()
+            if not seq.is_finished  # aborted ones stay until the next step reports them
+            and seq.sampling_params.max_tokens == FAIL_ONCE_MAX_TOKENS
+            and len(seq.output_token_ids) >= 2
+            and seq.request_id not in failed
+        ]
+        if due:  # the step fails once for all of them: the core fails every request in flight
+            failed.update(due)
+            raise RuntimeError("injected fault")
         return super().step()
 
 
