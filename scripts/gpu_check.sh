@@ -5,9 +5,10 @@
 # bench_engine (the batching benchmark on CUDA with a ~1B model, vs HF generate on the same GPU),
 # decode_step (that model's forward alone against the GPU's floors, and its kernel time vs launch time),
 # serving (not in the default list: the served path through a real tritonserver vs in-process, on CUDA).
-# `serving` needs what that machine lacks, carried in .whl/ (listed in .git/info/exclude; ~58 MB, under the
+# `serving` needs what that machine lacks, carried in .whl/ (listed in .git/info/exclude; ~60 MB, under the
 # device tool's 64 MiB): the nvidia-pytriton 0.7.0 wheel without its Python 3.13 library and the other
-# Pythons' stubs, zipped as pytriton_trim.zip; tritonclient 2.73.0 and python-rapidjson (cp312); numpy
+# Pythons' stubs, zipped as pytriton_trim.zip; tritonclient 2.73.0, python-rapidjson, msgspec and pyzmq
+# (cp312; the engine core process talks over ZMQ); numpy
 # 1.26.4 for Python 3.12 (the launcher gives the backend stub a numpy-1 environment and installs it from
 # .whl/ there: no network). Fetch them with `pip download --no-deps --only-binary=:all: --python-version
 # 3.12 --platform manylinux_2_17_x86_64 ...`, unzip the pytriton wheel, delete
@@ -71,7 +72,8 @@ with zipfile.ZipFile(".whl/pytriton_trim.zip") as z:
         if mode:
             os.chmod(path, mode & 0o7777)
 PYEOF
-        "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/tritonclient-*.whl .whl/python_rapidjson-*.whl
+        "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/tritonclient-*.whl .whl/python_rapidjson-*.whl \
+            .whl/msgspec-*.whl .whl/pyzmq-*.whl
         # What an editable install does: the backend stub's Python finds this checkout through a .pth in the
         # environment's site dir (it does not see PYTHONPATH).
         purelib=$("$PY" -c "import sysconfig; print(sysconfig.get_path('purelib'))")

@@ -191,3 +191,29 @@ def test_a_prompt_token_is_the_same_bits_as_a_decode_step_at_its_position(dtype)
                 0.125,
             )
             assert torch.equal(alone[0], out[token])
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 48])  # the SIMD path and the scalar one
+def test_prompt_tiles_give_each_row_its_bits_alone(dtype, head_dim):
+    """Consecutive rows of one sequence share each K/V block's reads (tiles of up to 16 rows; bf16 blocks widened
+    once): a 40-row chunk (three tiles), two sequences that share a prefix's blocks with consecutive lengths
+    (a tile across sequences), and a lone row each give exactly the bits of their rows run one at a time."""
+    g = torch.Generator().manual_seed(3)
+    bs, hkv, hq, blocks = 16, 3, 9, 40
+    k = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    v = torch.randn(blocks, bs, hkv, head_dim, generator=g).to(dtype)
+    seq_a = torch.randperm(blocks, generator=g)[:8].to(torch.int32)  # 128 tokens of context at most
+    seq_b = torch.cat([seq_a[:3], torch.tensor([blocks - 1], dtype=torch.int32)])  # shares a's first 3 blocks
+    rows = [(seq_a, n) for n in range(60, 100)]  # a prompt chunk: positions 59..98
+    rows += [(seq_a, 40), (seq_b, 41)]  # consecutive lengths, different tables: same blocks for both
+    rows += [(seq_b, 64)]  # reads b's own last block
+    width = 8
+    tables = torch.stack([torch.cat([t, torch.full((width - len(t),), -1, dtype=torch.int32)]) for t, _ in rows])
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), hq, head_dim, generator=g).to(dtype)
+    full = cpu.paged_attention(q, k, v, tables, lens, head_dim**-0.5)
+    for r in range(len(rows)):
+        alone = cpu.paged_attention(q[r : r + 1], k, v, tables[r : r + 1], lens[r : r + 1], head_dim**-0.5)
+        assert torch.equal(alone[0], full[r]), f"row {r}"

@@ -121,7 +121,7 @@ struct Step {
       a.k_cache = k_caches[l];
       a.v_cache = v_caches[l];
       // Claimed a few at a time: rows differ in length, so fixed shares would leave a thread waiting.
-      const int64_t tasks = a.B * a.splits, chunk = std::max<int64_t>(1, tasks / (8 * nt));
+      const int64_t tasks = a.num_tiles * a.splits, chunk = std::max<int64_t>(1, tasks / (8 * nt));
       for (int64_t t; (t = attn_next[l].fetch_add(chunk, std::memory_order_relaxed)) < tasks;)
         attention_tasks_any<S>(a, t, std::min(tasks, t + chunk));
       bar.wait(nt);
@@ -166,6 +166,9 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
   st.gu = gu.data_ptr<S>(), st.act = act.data_ptr<S>(), st.dn = out.data_ptr<S>();
   const at::Tensor& kc = kv_caches[0];
   const int nt = std::max(1, at::get_num_threads());
+  const std::vector<int64_t> tiles = attention_tiles(block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                                                     seq_lens.data_ptr<int32_t>(), T, kc.size(1));
+  const int64_t num_tiles = (int64_t)tiles.size() - 1;
   st.attn = AttentionArgs<S>{att.data_ptr<S>(),
                              Hq * D,
                              qkv.data_ptr<S>(),
@@ -179,9 +182,10 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
                              block_tables.data_ptr<int32_t>(),
                              block_tables.stride(0),
                              seq_lens.data_ptr<int32_t>(),
-                             T,
+                             tiles.data(),
+                             num_tiles,
                              static_cast<float>(scale),
-                             attention_splits(Hkv, T, nt)};
+                             attention_splits(Hkv, num_tiles, nt)};
   std::vector<std::atomic<int64_t>> next(L);
   for (auto& n : next) n.store(0);
   st.attn_next = next.data();

@@ -56,16 +56,23 @@ struct AttentionArgs {
   const int32_t* tables;
   int64_t table_stride;
   const int32_t* lens;
-  int64_t B;
+  const int64_t* tiles;  // [num_tiles + 1]: the first row of each tile (attention_tiles), then the row count
+  int64_t num_tiles;
   float scale;
-  int64_t splits;  // tasks per row: KV-head ranges; a task's bits do not depend on how heads are split
+  int64_t splits;  // tasks per tile: KV-head ranges; a task's bits do not depend on how heads are split
 };
 
-// Enough tasks for every thread when the batch is small (batch 1: heads split across threads).
-static inline int64_t attention_splits(int64_t Hkv, int64_t B, int64_t threads) {
-  return std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * threads + B - 1) / B));
+constexpr int64_t MAX_TILE_ROWS = 16;  // rows of one sequence that share each K/V block's reads
+
+// Enough tasks for every thread when there are few tiles (batch 1: heads split across threads).
+static inline int64_t attention_splits(int64_t Hkv, int64_t tiles, int64_t threads) {
+  return std::min<int64_t>(Hkv, std::max<int64_t>(1, (2 * threads + tiles - 1) / tiles));
 }
 
-// Tasks begin..end of B * splits (row, KV-head range).
+// The tiles of B rows (their first rows, then B); a row's bits do not depend on its tile.
+std::vector<int64_t> attention_tiles(const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t B,
+                                     int64_t bs);
+
+// Tasks begin..end of num_tiles * splits (tile, KV-head range).
 template <typename scalar_t>
 void attention_tasks_any(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end);

@@ -32,15 +32,150 @@ static inline __m512 sum16(const __m512* v) {
 #define HAVE_SIMD_ATTENTION 0
 #endif
 
-// A task is (sequence, range of KV heads) and streams each block's rows for those heads in address order
-// (one task per head read a quarter of each cache line). The GQA group rides along: each K/V row loaded
-// serves every query head that shares it. D is a compile-time constant for the common head sizes, so the
-// dot products and the V update unroll into a few full-width FMAs. Nothing here throws.
+// One query row's state for its task's heads: x = local head * G + group member.
+struct RowState {
+  float *q, *acc, *sc, *m, *l;
+};
+
+// One row, one block: its n tokens' scores, the running max/sum rescaled (online softmax), then their V rows.
+// kv_t is what the block's rows hold: the cache's dtype, or fp32 for a bf16 block a tile widened once
+// (exactly). The arithmetic is the same either way, so a row's bits do not depend on its tile (tested).
+template <typename kv_t, int64_t D_FIXED, bool SIMD>
+__attribute__((noinline)) static void row_block(const RowState& s, const kv_t* __restrict__ kb,
+                                                const kv_t* __restrict__ vb, int64_t row_stride, int64_t n, int64_t nh,
+                                                int64_t G, int64_t D_, int64_t bs) {
+  const int64_t D = D_FIXED > 0 ? D_FIXED : D_;
+  float* __restrict__ q = s.q;
+  float* __restrict__ acc = s.acc;
+  float* __restrict__ sc = s.sc;
+  if constexpr (SIMD) {
+#if HAVE_SIMD_ATTENTION
+    // Sixteen tokens at a time: each score's D products summed chunk by chunk into one vector, then the
+    // sixteen vectors reduced together (sum16): no reduction per score.
+    constexpr int C = D_FIXED / 16;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        const int64_t nc = std::min<int64_t>(16, n - i0);
+        const kv_t* __restrict__ k0 = kb + i0 * row_stride + hh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t x = hh * G + g;
+          __m512 qc[C], v[16];
+          for (int c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + x * D + 16 * c);
+          for (int64_t i = 0; i < 16; ++i) {
+            if (i >= nc) {
+              v[i] = _mm512_setzero_ps();
+              continue;
+            }
+            const kv_t* __restrict__ k = k0 + i * row_stride;
+            v[i] = _mm512_mul_ps(qc[0], load16(k));
+            for (int c = 1; c < C; ++c) v[i] = _mm512_fmadd_ps(qc[c], load16(k + 16 * c), v[i]);
+          }
+          _mm512_mask_storeu_ps(sc + x * bs + i0, (__mmask16)((1u << nc) - 1u), sum16(v));
+        }
+      }
+    }
+#endif
+  } else {
+    float row[D_FIXED > 0 ? D_FIXED : 512];  // one head's K or V row, widened (D <= 512 is checked)
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const kv_t* __restrict__ k = kb + i * row_stride + hh * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = to_f(k[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* __restrict__ qx = q + (hh * G + g) * D;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qx[d] * row[d];
+          sc[(hh * G + g) * bs + i] = dot;
+        }
+      }
+    }
+  }
+  for (int64_t x = 0; x < nh * G; ++x) {
+    float* __restrict__ sx = sc + x * bs;
+    float bm = s.m[x];
+    for (int64_t i = 0; i < n; ++i) bm = std::max(bm, sx[i]);
+    const float corr = std::exp(s.m[x] - bm);  // exp(-inf) = 0 on the first block
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      sx[i] = std::exp(sx[i] - bm);
+      sum += sx[i];
+    }
+    s.l[x] = s.l[x] * corr + sum;
+    s.m[x] = bm;
+    float* __restrict__ ax = acc + x * D;
+    for (int64_t d = 0; d < D; ++d) ax[d] *= corr;
+  }
+  if constexpr (SIMD) {
+#if HAVE_SIMD_ATTENTION
+    // Each head's accumulator stays in registers across the block's V rows. Two heads of a GQA group at a
+    // time share each V row's loads, and give 2C independent FMA chains instead of C (one head's C chains,
+    // each a dependent FMA per token, waited on the FMA's latency). Every accumulator still adds its tokens
+    // in order: the same bits as one head at a time.
+    constexpr int C = D_FIXED / 16;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      int64_t g = 0;
+      for (; g + 1 < G; g += 2) {
+        const int64_t x0 = hh * G + g, x1 = x0 + 1;
+        __m512 a0[C], a1[C];
+        for (int c = 0; c < C; ++c) {
+          a0[c] = _mm512_loadu_ps(acc + x0 * D + 16 * c);
+          a1[c] = _mm512_loadu_ps(acc + x1 * D + 16 * c);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          const __m512 p0 = _mm512_set1_ps(sc[x0 * bs + i]), p1 = _mm512_set1_ps(sc[x1 * bs + i]);
+          const kv_t* __restrict__ v = vb + i * row_stride + hh * D;
+          for (int c = 0; c < C; ++c) {
+            const __m512 vc = load16(v + 16 * c);
+            a0[c] = _mm512_fmadd_ps(p0, vc, a0[c]);
+            a1[c] = _mm512_fmadd_ps(p1, vc, a1[c]);
+          }
+        }
+        for (int c = 0; c < C; ++c) {
+          _mm512_storeu_ps(acc + x0 * D + 16 * c, a0[c]);
+          _mm512_storeu_ps(acc + x1 * D + 16 * c, a1[c]);
+        }
+      }
+      for (; g < G; ++g) {
+        const int64_t x = hh * G + g;
+        __m512 a[C];
+        for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + x * D + 16 * c);
+        for (int64_t i = 0; i < n; ++i) {
+          const __m512 p = _mm512_set1_ps(sc[x * bs + i]);
+          const kv_t* __restrict__ v = vb + i * row_stride + hh * D;
+          for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), a[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + x * D + 16 * c, a[c]);
+      }
+    }
+#endif
+  } else {
+    float row[D_FIXED > 0 ? D_FIXED : 512];
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const kv_t* __restrict__ v = vb + i * row_stride + hh * D;
+        for (int64_t d = 0; d < D; ++d) row[d] = to_f(v[d]);
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = sc[(hh * G + g) * bs + i];
+          float* __restrict__ ax = acc + (hh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) ax[d] += p * row[d];
+        }
+      }
+    }
+  }
+}
+
+// A task is (tile, range of KV heads). A tile is one row, or up to MAX_TILE_ROWS consecutive rows of one
+// sequence (a prompt chunk's): each block's K/V rows for the task's heads are read (and, in bf16, widened)
+// once for all of the tile's rows, in address order, and every row then runs row_block on them with its
+// own length. The GQA group rides along: each K/V row serves every query head that shares it. Nothing here
+// throws.
 template <typename scalar_t, int64_t D_FIXED>
 __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end) {
   // The SIMD path: AVX-512, fp32 or bf16, a head size of whole 16-lane vectors.
   constexpr bool SIMD = HAVE_SIMD_ATTENTION && D_FIXED > 0 && D_FIXED % 16 == 0 &&
                         (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
+  constexpr bool WIDEN = SIMD && !std::is_same_v<scalar_t, float>;  // bf16 blocks into fp32 scratch
+  using kv_t = std::conditional_t<SIMD, float, scalar_t>;
   const int64_t D = D_FIXED > 0 ? D_FIXED : a.D;
   const int64_t bs = a.bs, Hkv = a.Hkv;
   const int64_t G = a.Hq / Hkv;
@@ -48,171 +183,115 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
   const scalar_t* __restrict__ k_ptr = a.k_cache;
   const scalar_t* __restrict__ v_ptr = a.v_cache;
   scalar_t* __restrict__ o_ptr = a.out;
-  const int32_t* tables = a.tables;
   const int32_t* lens = a.lens;
   const int64_t q_stride = a.q_stride, o_stride = a.o_stride, table_stride = a.table_stride;
   const int64_t row_stride = Hkv * D;  // between consecutive tokens inside a block
   const float fscale = a.scale;
   const int64_t splits = a.splits;
   const int64_t per = (Hkv + splits - 1) / splits;
-  {
-    std::vector<float> qv(per * G * D), accv(per * G * D), sv(per * G * bs), mv(per * G), lv(per * G), rowv(D);
-    float* __restrict__ q = qv.data();
-    float* __restrict__ acc = accv.data();
-    float* __restrict__ sc = sv.data();
-    float* __restrict__ m = mv.data();
-    float* __restrict__ l = lv.data();
-    float row_fixed[D_FIXED > 0 ? D_FIXED : 1];
-    float* __restrict__ row = D_FIXED > 0 ? row_fixed : rowv.data();  // one head's K or V row, widened
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / splits, h0 = (task % splits) * per;
-      const int64_t nh = std::min(Hkv, h0 + per) - h0;
-      if (nh <= 0) continue;
-      const int64_t L = lens[b];
-      const int32_t* table = tables + b * table_stride;
-      for (int64_t x = 0; x < nh * G; ++x) {  // x = local head * G + group member
-        for (int64_t d = 0; d < D; ++d) {
-          q[x * D + d] = to_f(q_ptr[b * q_stride + (h0 * G + x) * D + d]) * fscale;
-          acc[x * D + d] = 0.f;
-        }
-        m[x] = -INFINITY;
-        l[x] = 0.f;
-      }
-      // One pass: a block's scores, then the running max/sum rescaled (online softmax), then its V rows.
-      for (int64_t t0 = 0; t0 < L; t0 += bs) {
-        const int64_t base = (int64_t(table[t0 / bs]) * bs * Hkv + h0) * D;
-        const scalar_t* __restrict__ kb = k_ptr + base;
-        const scalar_t* __restrict__ vb = v_ptr + base;
-        const int64_t n = std::min(bs, L - t0);
-        if (t0 + bs < L) {  // the next block sits elsewhere in the cache: ask for its rows (our heads) now
-          const int64_t next = (int64_t(table[t0 / bs + 1]) * bs * Hkv + h0) * D;
-          const int64_t bytes = nh * D * int64_t(sizeof(scalar_t));
-          for (int64_t i = 0; i < bs; ++i)
-            for (int64_t o = 0; o < bytes; o += 64) {
-              __builtin_prefetch((const char*)(k_ptr + next + i * row_stride) + o);
-              __builtin_prefetch((const char*)(v_ptr + next + i * row_stride) + o);
-            }
-        }
-        if constexpr (SIMD) {
-#if HAVE_SIMD_ATTENTION
-          // Sixteen tokens at a time: each score's D products summed chunk by chunk into one vector,
-          // then the sixteen vectors reduced together (sum16): no reduction per score.
-          constexpr int C = D_FIXED / 16;
-          for (int64_t hh = 0; hh < nh; ++hh) {
-            for (int64_t i0 = 0; i0 < n; i0 += 16) {
-              const int64_t nc = std::min<int64_t>(16, n - i0);
-              const scalar_t* __restrict__ k0 = kb + i0 * row_stride + hh * D;
-              for (int64_t g = 0; g < G; ++g) {
-                const int64_t x = hh * G + g;
-                __m512 qc[C], v[16];
-                for (int c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + x * D + 16 * c);
-                for (int64_t i = 0; i < 16; ++i) {
-                  if (i >= nc) {
-                    v[i] = _mm512_setzero_ps();
-                    continue;
-                  }
-                  const scalar_t* __restrict__ k = k0 + i * row_stride;
-                  v[i] = _mm512_mul_ps(qc[0], load16(k));
-                  for (int c = 1; c < C; ++c) v[i] = _mm512_fmadd_ps(qc[c], load16(k + 16 * c), v[i]);
-                }
-                _mm512_mask_storeu_ps(sc + x * bs + i0, (__mmask16)((1u << nc) - 1u), sum16(v));
-              }
-            }
-          }
-#endif
-        } else {
-          for (int64_t i = 0; i < n; ++i) {
-            for (int64_t hh = 0; hh < nh; ++hh) {
-              const scalar_t* __restrict__ k = kb + i * row_stride + hh * D;
-              for (int64_t d = 0; d < D; ++d) row[d] = to_f(k[d]);
-              for (int64_t g = 0; g < G; ++g) {
-                const float* __restrict__ qx = q + (hh * G + g) * D;
-                float s = 0.f;
-                for (int64_t d = 0; d < D; ++d) s += qx[d] * row[d];
-                sc[(hh * G + g) * bs + i] = s;
-              }
-            }
-          }
-        }
-        for (int64_t x = 0; x < nh * G; ++x) {
-          float* __restrict__ sx = sc + x * bs;
-          float bm = m[x];
-          for (int64_t i = 0; i < n; ++i) bm = std::max(bm, sx[i]);
-          const float corr = std::exp(m[x] - bm);  // exp(-inf) = 0 on the first block
-          float sum = 0.f;
-          for (int64_t i = 0; i < n; ++i) {
-            sx[i] = std::exp(sx[i] - bm);
-            sum += sx[i];
-          }
-          l[x] = l[x] * corr + sum;
-          m[x] = bm;
-          float* __restrict__ ax = acc + x * D;
-          for (int64_t d = 0; d < D; ++d) ax[d] *= corr;
-        }
-        if constexpr (SIMD) {
-#if HAVE_SIMD_ATTENTION
-          // Each head's accumulator stays in registers across the block's V rows. Two heads of a GQA group
-          // at a time share each V row's loads and widening, and give 2C independent FMA chains instead of
-          // C (one head's C chains, each a dependent FMA per token, waited on the FMA's latency). Every
-          // accumulator still adds its tokens in order: the same bits as one head at a time.
-          constexpr int C = D_FIXED / 16;
-          for (int64_t hh = 0; hh < nh; ++hh) {
-            int64_t g = 0;
-            for (; g + 1 < G; g += 2) {
-              const int64_t x0 = hh * G + g, x1 = x0 + 1;
-              __m512 a0[C], a1[C];
-              for (int c = 0; c < C; ++c) {
-                a0[c] = _mm512_loadu_ps(acc + x0 * D + 16 * c);
-                a1[c] = _mm512_loadu_ps(acc + x1 * D + 16 * c);
-              }
-              for (int64_t i = 0; i < n; ++i) {
-                const __m512 p0 = _mm512_set1_ps(sc[x0 * bs + i]), p1 = _mm512_set1_ps(sc[x1 * bs + i]);
-                const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
-                for (int c = 0; c < C; ++c) {
-                  const __m512 vc = load16(v + 16 * c);
-                  a0[c] = _mm512_fmadd_ps(p0, vc, a0[c]);
-                  a1[c] = _mm512_fmadd_ps(p1, vc, a1[c]);
-                }
-              }
-              for (int c = 0; c < C; ++c) {
-                _mm512_storeu_ps(acc + x0 * D + 16 * c, a0[c]);
-                _mm512_storeu_ps(acc + x1 * D + 16 * c, a1[c]);
-              }
-            }
-            for (; g < G; ++g) {
-              const int64_t x = hh * G + g;
-              __m512 a[C];
-              for (int c = 0; c < C; ++c) a[c] = _mm512_loadu_ps(acc + x * D + 16 * c);
-              for (int64_t i = 0; i < n; ++i) {
-                const __m512 p = _mm512_set1_ps(sc[x * bs + i]);
-                const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
-                for (int c = 0; c < C; ++c) a[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), a[c]);
-              }
-              for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + x * D + 16 * c, a[c]);
-            }
-          }
-#endif
-        } else {
-          for (int64_t i = 0; i < n; ++i) {
-            for (int64_t hh = 0; hh < nh; ++hh) {
-              const scalar_t* __restrict__ v = vb + i * row_stride + hh * D;
-              for (int64_t d = 0; d < D; ++d) row[d] = to_f(v[d]);
-              for (int64_t g = 0; g < G; ++g) {
-                const float p = sc[(hh * G + g) * bs + i];
-                float* __restrict__ ax = acc + (hh * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) ax[d] += p * row[d];
-              }
-            }
-          }
-        }
-      }
+  int64_t R = 1;  // the largest tile among these tasks
+  for (int64_t task = begin; task < end; ++task) R = std::max(R, a.tiles[task / splits + 1] - a.tiles[task / splits]);
+  const int64_t X = per * G;
+  // Per-thread scratch, grown once and reused (no zeroing: every value is written before it is read).
+  thread_local std::vector<float> scratch;
+  const int64_t w = WIDEN ? bs * per * D : 0;
+  const size_t need = size_t(R * X * (2 * D + bs + 2) + 2 * w);
+  if (scratch.size() < need) scratch.resize(need);
+  float* const qv = scratch.data();
+  float* const accv = qv + R * X * D;
+  float* const sv = accv + R * X * D;
+  float* const mv = sv + R * X * bs;
+  float* const lv = mv + R * X;
+  float* const kw = lv + R * X;
+  float* const vw = kw + w;
+  for (int64_t task = begin; task < end; ++task) {
+    const int64_t tile = task / splits, h0 = (task % splits) * per;
+    const int64_t nh = std::min(Hkv, h0 + per) - h0;
+    if (nh <= 0) continue;
+    const int64_t r0 = a.tiles[tile], nr = a.tiles[tile + 1] - r0;
+    const int32_t* table = a.tables + (r0 + nr - 1) * table_stride;  // the last row's: every row's blocks
+    int64_t L = 0;
+    for (int64_t r = 0; r < nr; ++r) {
+      L = std::max<int64_t>(L, lens[r0 + r]);
       for (int64_t x = 0; x < nh * G; ++x) {
-        const float inv = 1.f / l[x];
-        for (int64_t d = 0; d < D; ++d)
-          o_ptr[b * o_stride + (h0 * G + x) * D + d] = from_f<scalar_t>(acc[x * D + d] * inv);
+        float* qx = qv + (r * X + x) * D;
+        float* ax = accv + (r * X + x) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          qx[d] = to_f(q_ptr[(r0 + r) * q_stride + (h0 * G + x) * D + d]) * fscale;
+          ax[d] = 0.f;
+        }
+        mv[r * X + x] = -INFINITY;
+        lv[r * X + x] = 0.f;
       }
     }
+    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+      const int64_t base = (int64_t(table[t0 / bs]) * bs * Hkv + h0) * D;
+      const scalar_t* __restrict__ kb = k_ptr + base;
+      const scalar_t* __restrict__ vb = v_ptr + base;
+      const int64_t n = std::min(bs, L - t0);
+      if (t0 + bs < L) {  // the next block sits elsewhere in the cache: ask for its rows (our heads) now
+        const int64_t next = (int64_t(table[t0 / bs + 1]) * bs * Hkv + h0) * D;
+        const int64_t bytes = nh * D * int64_t(sizeof(scalar_t));
+        for (int64_t i = 0; i < bs; ++i)
+          for (int64_t o = 0; o < bytes; o += 64) {
+            __builtin_prefetch((const char*)(k_ptr + next + i * row_stride) + o);
+            __builtin_prefetch((const char*)(v_ptr + next + i * row_stride) + o);
+          }
+      }
+      if (WIDEN && nr == 1) {  // a lone row (decode) widens as it reads: no scratch pass
+        const int64_t nt = std::min<int64_t>(n, lens[r0] - t0);
+        const RowState s{qv, accv, sv, mv, lv};
+        row_block<scalar_t, D_FIXED, SIMD>(s, kb, vb, row_stride, nt, nh, G, D, bs);
+        continue;
+      }
+      const kv_t* kr;
+      const kv_t* vr;
+      int64_t stride;
+      if constexpr (WIDEN) {
+#if HAVE_SIMD_ATTENTION
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t e = 0; e < nh * D; e += 16) {
+            _mm512_storeu_ps(kw + i * nh * D + e, load16(kb + i * row_stride + e));
+            _mm512_storeu_ps(vw + i * nh * D + e, load16(vb + i * row_stride + e));
+          }
+#endif
+        kr = kw, vr = vw, stride = nh * D;
+      } else {
+        kr = reinterpret_cast<const kv_t*>(kb), vr = reinterpret_cast<const kv_t*>(vb), stride = row_stride;
+      }
+      for (int64_t r = 0; r < nr; ++r) {
+        const int64_t nr_tokens = std::min<int64_t>(n, lens[r0 + r] - t0);
+        if (nr_tokens <= 0) continue;
+        const RowState s{qv + r * X * D, accv + r * X * D, sv + r * X * bs, mv + r * X, lv + r * X};
+        row_block<kv_t, D_FIXED, SIMD>(s, kr, vr, stride, nr_tokens, nh, G, D, bs);
+      }
+    }
+    for (int64_t r = 0; r < nr; ++r)
+      for (int64_t x = 0; x < nh * G; ++x) {
+        const float inv = 1.f / lv[r * X + x];
+        const float* ax = accv + (r * X + x) * D;
+        for (int64_t d = 0; d < D; ++d)
+          o_ptr[(r0 + r) * o_stride + (h0 * G + x) * D + d] = from_f<scalar_t>(ax[d] * inv);
+      }
   }
+}
+
+// Rows r and r+1 share a tile when they are consecutive positions of one sequence: lengths L and L+1, and
+// row r's blocks the same as row r+1's table lists (prompt rows of a chunk; prefix-shared rows too, which
+// read the same blocks either way).
+std::vector<int64_t> attention_tiles(const int32_t* tables, int64_t table_stride, const int32_t* lens, int64_t B,
+                                     int64_t bs) {
+  std::vector<int64_t> starts;
+  starts.reserve(B + 1);
+  for (int64_t r = 0; r < B; ++r) {
+    const bool joins =
+        r > 0 && r - starts.back() < MAX_TILE_ROWS && lens[r] == lens[r - 1] + 1 &&
+        std::equal(tables + (r - 1) * table_stride, tables + (r - 1) * table_stride + (lens[r - 1] + bs - 1) / bs,
+                   tables + r * table_stride);
+    if (!joins) starts.push_back(r);
+  }
+  starts.push_back(B);
+  return starts;
 }
 
 template <typename scalar_t>
@@ -238,12 +317,16 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(k_cache.scalar_type() == query.scalar_type() && out.scalar_type() == query.scalar_type(), "one dtype");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "Hq must be a multiple of Hkv");
+  TORCH_CHECK(query.size(2) <= 512, "head size <= 512");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.stride(1) == 1,
               "block_tables: int32, rows contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens: int32 [B]");
   DISPATCH(query.scalar_type(), "paged_attention", [&] {
     const int64_t B = query.size(0), Hkv = k_cache.size(2);
+    const std::vector<int64_t> tiles = attention_tiles(block_tables.data_ptr<int32_t>(), block_tables.stride(0),
+                                                       seq_lens.data_ptr<int32_t>(), B, k_cache.size(1));
+    const int64_t num_tiles = (int64_t)tiles.size() - 1;
     const AttentionArgs<scalar_t> a{out.data_ptr<scalar_t>(),
                                     out.stride(0),
                                     query.data_ptr<scalar_t>(),
@@ -257,9 +340,11 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
                                     block_tables.data_ptr<int32_t>(),
                                     block_tables.stride(0),
                                     seq_lens.data_ptr<int32_t>(),
-                                    B,
+                                    tiles.data(),
+                                    num_tiles,
                                     static_cast<float>(scale),
-                                    attention_splits(Hkv, B, at::get_num_threads())};
-    at::parallel_for(0, B * a.splits, 1, [&](int64_t begin, int64_t end) { attention_tasks_any(a, begin, end); });
+                                    attention_splits(Hkv, num_tiles, at::get_num_threads())};
+    at::parallel_for(0, num_tiles * a.splits, 1,
+                     [&](int64_t begin, int64_t end) { attention_tasks_any(a, begin, end); });
   });
 }
