@@ -41,7 +41,8 @@ MODEL_ALIASES = {"smollm2": ""}  # "" = the default served model (inflight.model
 
 @dataclass
 class Request:
-    """One client request: monotonic times, and the error it ended with (None: completed)."""
+    """One client request: monotonic times (first text and end as they arrive, in tritonclient's callback),
+    and the error it ended with (None: completed)."""
 
     started: float
     first_token: float | None = None
@@ -51,12 +52,13 @@ class Request:
 
 @dataclass
 class Load:
-    """`clients` threads streaming long requests back to back until `stop`."""
+    """`clients` threads streaming long requests over Triton's gRPC stream, back to back until `stop`."""
 
-    client: Any
+    url: str
     clients: int
     max_tokens: tuple[int, int]
     seed: int
+    request_timeout_s: float = 60.0
     lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     current: dict[int, Request] = field(default_factory=dict)
@@ -72,25 +74,12 @@ class Load:
         return self
 
     def _run(self, i: int) -> None:
-        from inflight_client import InferenceError
-
         rng = random.Random(self.seed * 1000 + i)
         while not self.stop.is_set():
-            req = Request(time.monotonic())
-            with self.lock:
-                self.current[i] = req
             params = {"max_tokens": rng.randint(*self.max_tokens), "ignore_eos": True, "temperature": 0}
-            error = None
-            try:
-                for _ in self.client.stream(f"Story number {rng.randrange(10**6)}:", params):
-                    if req.first_token is None:
-                        req.first_token = time.monotonic()
-            except InferenceError as e:
-                error = e.message
-            except Exception as e:  # the transport's own failure is a finding too
-                error = repr(e)
+            req = self._one(i, f"Story number {rng.randrange(10**6)}:", params)
+            error = req.error
             with self.lock:
-                req.ended, req.error = time.monotonic(), error
                 self.current.pop(i, None)
                 # A request sent while the core restarts is refused with the death's message too.
                 kind = "completed" if error is None else "unavailable" if DEATH_ERROR in error else "other"
@@ -100,13 +89,59 @@ class Load:
             if error is not None:
                 self.stop.wait(0.2)  # refused while the core restarts: do not spin
 
+    def _one(self, i: int, prompt: str, params: dict) -> Request:
+        """Stream one request; its end is the arrival of its final response or error."""
+        import numpy as np
+        import tritonclient.grpc as grpcclient
+        from inflight_client import make_inputs
+
+        inputs = make_inputs({
+            "text_input": np.array([prompt.encode()], dtype=np.object_),
+            "stream": np.array([True]),
+            "sampling_parameters": np.array([json.dumps(params).encode()], dtype=np.object_),
+            "exclude_input_in_output": np.array([True]),
+        })  # fmt: skip
+        done = threading.Event()
+        req = Request(time.monotonic())
+
+        def on_response(result, error) -> None:
+            now = time.monotonic()
+            if done.is_set():
+                return
+            if error is not None:
+                req.error = error.message() or str(error)
+            elif req.first_token is None and result.as_numpy("text_output") is not None:
+                req.first_token = now
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                req.ended = now
+                done.set()
+
+        client = grpcclient.InferenceServerClient(self.url)
+        with self.lock:
+            self.current[i] = req
+        try:
+            client.start_stream(callback=on_response)
+            client.async_stream_infer("llm", inputs, enable_empty_final_response=True)
+            ended = done.wait(self.request_timeout_s)
+            if not ended:  # hung for good: give up on it (the kill's own record already says hung)
+                req.error, req.ended = f"no end within {self.request_timeout_s:.0f} s", time.monotonic()
+            # Cancel only what has not ended: a cancel racing the server's end crashes tritonserver 2.51.
+            client.stop_stream(cancel_requests=not ended)
+        except Exception as e:  # the transport's own failure is a finding too
+            if req.ended is None:
+                req.error, req.ended = repr(e)[:200], time.monotonic()
+        finally:
+            client.close()
+        return req
+
     def in_flight(self) -> list[Request]:
         with self.lock:
             return [r for r in self.current.values() if r.ended is None]
 
     def all_mid_stream(self) -> bool:
         with self.lock:
-            return len(self.current) == self.clients and all(r.first_token for r in self.current.values())
+            reqs = self.current.values()
+            return len(reqs) == self.clients and all(r.first_token and r.ended is None for r in reqs)
 
     def finish(self, timeout_s: float) -> bool:
         """Stop after the requests in flight end by themselves (cancelling them could race their end)."""
@@ -219,6 +254,8 @@ def kill_once(server, load: Load, client, run_dir: str, args: argparse.Namespace
         if served_again is not None and core_back is not None and not waiting:
             break
         time.sleep(0.05)
+    if served_again is not None:  # a served request proves the new core was up (the pid is polled less often)
+        core_back = served_again if core_back is None else min(core_back, served_again)
     ends = [max(0.0, r.ended - killed) for r in in_flight if r.ended is not None]
     ends = [t for t in ends if t <= args.hung_after_s]
     errors = [r for r in in_flight if r.ended is not None and r.error is not None]
@@ -268,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = LLMClient(server.grpc_url, timeout_s=args.request_timeout_s)
         if not served(client):
             raise SystemExit(f"the fresh server does not serve; see {args.out / 'server.log'}")
-        load = Load(client, args.clients, tuple(args.max_tokens), args.seed).start()
+        load = Load(server.grpc_url, args.clients, tuple(args.max_tokens), args.seed, args.request_timeout_s).start()
         print(f"{args.kills} kills, {args.clients} streaming clients, at least {args.gap_s:.0f} s apart", flush=True)
         last_kill = -float("inf")
         for k in range(args.kills):
