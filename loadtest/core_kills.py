@@ -36,6 +36,7 @@ from typing import Any
 ENGINE_ARGS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "num_kv_blocks": 256, "max_model_len": 512}
 DEATH_ERROR = "the engine process died"
 SPEC_ERROR_S = 1.0  # the issue's bound: every in-flight request gets its error within this
+STUB_SLACK = 4  # fds or threads the stub may gain over the run (a lazily started pool), not per kill
 MODEL_ALIASES = {"smollm2": ""}  # "" = the default served model (inflight.model_source)
 
 
@@ -214,6 +215,21 @@ def core_processes(run_dir: str) -> dict[int, str]:
     return found
 
 
+def stub_resources(server) -> dict[str, int]:
+    """The model's backend stub (the front): open file descriptors and threads. Each core it starts brings
+    sockets, a process sentinel and threads; what it keeps after the core is gone grows with every restart."""
+    pids = [pid for pid, alive in server.stub_pids().items() if alive]
+    if len(pids) != 1:
+        return {}
+    status = _read(f"/proc/{pids[0]}/status")
+    threads = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:")), 0)
+    try:
+        fds = len(os.listdir(f"/proc/{pids[0]}/fd"))
+    except OSError:
+        fds = 0
+    return {"fds": fds, "threads": threads}
+
+
 def is_core(pid: int, run_dir: str) -> bool:
     return pid in core_processes(run_dir)
 
@@ -305,6 +321,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client = LLMClient(server.grpc_url, timeout_s=args.request_timeout_s)
         if not served(client):
             raise SystemExit(f"the fresh server does not serve; see {args.out / 'server.log'}")
+        final["stub_before"] = stub_resources(server)
         load = Load(server.grpc_url, args.clients, tuple(args.max_tokens), args.seed, args.request_timeout_s).start()
         print(f"{args.kills} kills, {args.clients} streaming clients, at least {args.gap_s:.0f} s apart", flush=True)
         last_kill = -float("inf")
@@ -364,6 +381,7 @@ def final_checks(server, client, run_dir: str) -> dict[str, Any]:
     out["core_starts"] = metric(samples, "inflight_engine_core_starts_total")
     out["core_pid"] = metric(samples, "inflight_engine_core_pid")
     out["core_processes"] = {str(pid): state for pid, state in core_processes(run_dir).items()}
+    out["stub_after"] = stub_resources(server)
     return out
 
 
@@ -415,6 +433,10 @@ def failures(result: dict[str, Any], kills: int) -> list[str]:
     live = [int(pid) for pid, state in cores.items() if state not in ("Z", "X")]
     if live != [f.get("core_pid")] or len(cores) != 1:
         found.append(f"core processes left {cores} (the metrics name {f.get('core_pid')})")
+    before, after = f.get("stub_before", {}), f.get("stub_after", {})
+    for what in ("fds", "threads"):
+        if what in before and what in after and after[what] > before[what] + STUB_SLACK:
+            found.append(f"the stub's {what} grew from {before[what]} to {after[what]}")
     if f.get("cores_after_stop"):
         found.append(f"core processes outlived the server: {f['cores_after_stop']}")
     return found
@@ -526,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     f = result["final"]
     print(
         f"after the kills: serves {f.get('serves')}, KV blocks used {f.get('kv_blocks_used')}, core processes "
-        f"{f.get('core_processes')}, core starts {f.get('core_starts')}; requests {f.get('requests')}; "
+        f"{f.get('core_processes')}, core starts {f.get('core_starts')}; stub {f.get('stub_before')} -> "
+        f"{f.get('stub_after')}; requests {f.get('requests')}; "
         f"{result['wall_s']:.0f} s; results in {args.out}"
     )
     print("FAILED: " + "; ".join(missed) if missed else "ok: no request hung, served again after every kill")
