@@ -33,9 +33,10 @@ from typing import Any
 
 # Small enough for 2 CPU cores. Clients stay below max_num_seqs so that the served-again probe is scheduled
 # at once instead of queueing behind the load.
-ENGINE_ARGS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "num_kv_blocks": 256, "max_model_len": 512}
+ENGINE_ARGS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "num_kv_blocks": 1024, "max_model_len": 2048}
 DEATH_ERROR = "the engine process died"
 SPEC_ERROR_S = 1.0  # the bound: every in-flight request gets its error within this
+DRAIN_TIMEOUT_S = 600.0  # the last requests end by themselves (a slow model's long requests take a while)
 STUB_SLACK = 4  # fds or threads the stub may gain over the run (a lazily started pool), not per kill
 MODEL_ALIASES = {"smollm2": ""}  # "" = the default served model (inflight.model_source)
 
@@ -339,7 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if row["served_again_s"] is None:
                 print(f"not served again within {args.served_timeout_s:.0f} s: stopping", flush=True)
                 break
-        final["load_stopped"] = load.finish(args.request_timeout_s + 10)
+        final["load_stopped"] = load.finish(DRAIN_TIMEOUT_S)
         final["requests"] = dict(load.counts)
         final["other_errors"] = load.others
         final.update(final_checks(server, client, run_dir))
@@ -520,11 +521,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="demo", help="demo (default), smollm2, or a checkpoint directory / .gguf")
     seqs = ENGINE_ARGS["max_num_seqs"]
     p.add_argument("--clients", type=int, default=6, help=f"concurrent streams (< max_num_seqs={seqs})")
-    p.add_argument("--max-tokens", type=int, nargs=2, default=[128, 480], metavar=("MIN", "MAX"))
+    p.add_argument("--max-tokens", type=int, nargs=2, default=[512, 1536], metavar=("MIN", "MAX"),
+                   help="per request, uniform; long enough that every stream is mid-stream at a kill")  # fmt: skip
     gap = RESTART_WINDOW_S / MAX_RESTARTS + 1.0
     p.add_argument("--gap-s", type=float, default=gap, help=f"least time between kills (default {gap:.0f}: "
                    f"the engine restarts a core at most {MAX_RESTARTS} times in {RESTART_WINDOW_S:.0f} s)")  # fmt: skip
-    p.add_argument("--jitter-s", type=float, default=2.0, help="random wait once every client is mid-stream")
+    p.add_argument("--jitter-s", type=float, default=0.5, help="random wait once every client is mid-stream")
     p.add_argument("--hung-after-s", type=float, default=5.0, help="an in-flight request not ended by then hung")
     p.add_argument("--served-timeout-s", type=float, default=120.0)
     p.add_argument("--request-timeout-s", type=float, default=60.0, help="a client's wait for its next response")
