@@ -303,6 +303,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from inflight.launcher.server import TritonServer
 
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "server.log").unlink(missing_ok=True)  # the launcher appends: one run per log
     model = MODEL_ALIASES.get(args.model, args.model)
     server = TritonServer(
         parameters=dict(ENGINE_ARGS, model=model),
