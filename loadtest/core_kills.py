@@ -37,7 +37,7 @@ ENGINE_ARGS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "num_kv_blocks"
 DEATH_ERROR = "the engine process died"
 SPEC_ERROR_S = 1.0  # the bound: every in-flight request gets its error within this
 DRAIN_TIMEOUT_S = 600.0  # the last requests end by themselves (a slow model's long requests take a while)
-STUB_SLACK = 4  # fds or threads the stub may gain over the run (a lazily started pool), not per kill
+STUB_SLACK = 4  # fds or threads the stub may gain over the whole run (a leak grows with every kill)
 MODEL_ALIASES = {"smollm2": ""}  # "" = the default served model (inflight.model_source)
 
 
