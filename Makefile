@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install install-dynamo serve-cluster test-cluster test serve lint bench bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile aiperf-openai
+.PHONY: install install-dynamo serve-cluster test-cluster test serve lint bench bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile core-kills aiperf-openai
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -59,6 +59,10 @@ aiperf: install
 ## Hostile input (10 MB prompt, huge stop lists) against a server while a normal client measures TTFT.
 hostile: install
 	$(PY) -m loadtest.hostile_input $(HOSTILE_ARGS)
+
+## SIGKILL the engine core 20 times under streaming load: 0 hung requests, time until served again (table, JSON, plot).
+core-kills: install
+	$(PY) -m loadtest.core_kills $(CORE_KILLS_ARGS)
 
 AIPERF_OPENAI_VENV ?= .cache/aiperf-venv
 

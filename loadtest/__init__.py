@@ -1,4 +1,5 @@
-"""Load tests against a running server: the Locust gRPC user and its runner, the hostile-input driver, AIPerf runs."""
+"""Load tests against a running server: the Locust gRPC user and its runner, the hostile-input and core-kill
+drivers, AIPerf runs."""
 
 from inflight import omp
 

@@ -1,4 +1,5 @@
-"""Every `python -m benchmarks.…` and `tools.…` entry point, run as a developer runs it, on a tiny setting.
+"""Every `python -m benchmarks.…`, `loadtest.core_kills` and `tools.…` entry point, run as a developer runs it,
+on a tiny setting.
 
 Tests never import benchmarks/, loadtest/ or tools/ (test_test_imports.py): each benchmark runs here as a
 subprocess and is judged by its exit status and what it prints or writes. The trace generator's own
@@ -322,6 +323,25 @@ def test_openai_overhead(tmp_path):
     args = ["--requests", "4", "--concurrency", "2", "--output-tokens", "8", "--sequential-pairs", "2", "--rounds", "1"]
     run("benchmarks.serving.openai_overhead", *args, "--out", str(tmp_path / "openai.json"), timeout=400)
     assert json.loads((tmp_path / "openai.json").read_text())
+
+
+# --- loadtest ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_core_kills_fails_no_stream_and_serves_again_after_each_kill(tmp_path):
+    args = ["--kills", "2", "--gap-s", "0", "--clients", "3", "--max-tokens", "32", "96", "--jitter-s", "0.5"]
+    text = run("loadtest.core_kills", *args, "--out", str(tmp_path), timeout=240)
+    result = json.loads((tmp_path / "core_kills.json").read_text())
+    summary, final = result["summary"], result["final"]
+    assert summary["kills"] == 2 and summary["hung"] == 0 and summary["not_served_again"] == 0
+    assert summary["requests_in_flight"] >= 2 and summary["time_to_end_s"]["max"] < 1.0
+    assert summary["ended_with_death_error"] + summary["completed"] == summary["requests_in_flight"]
+    assert 0 < summary["served_again_s"]["p50"] <= summary["served_again_s"]["max"]
+    assert final["serves"] and final["kv_blocks_used"] == 0 and final["core_starts"] == 3
+    assert list(final["core_processes"].values()) in (["S"], ["R"]) and not final["cores_after_stop"]
+    assert result["failures"] == [] and "| **all 2** |" in text
+    assert (tmp_path / "core_kills.png").read_bytes()[:8] == PNG
 
 
 # --- tools -------------------------------------------------------------------------------------------

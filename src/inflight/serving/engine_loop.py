@@ -82,6 +82,12 @@ class _Route:
 
 
 
+# The restart bound: a core that dies more than MAX_RESTARTS times within RESTART_WINDOW_S is not restarted
+# again (a crash loop); the k-th restart in the window waits RESTART_BACKOFF_S * 2**(k-1) first.
+MAX_RESTARTS = 3
+RESTART_WINDOW_S = 60.0
+RESTART_BACKOFF_S = 0.5
+
 _COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
              "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
              "spec_decode_num_accepted_tokens")  # fmt: skip
@@ -96,9 +102,9 @@ class EngineLoop:
         cancel_interval_s: float = 0.05,
         metrics_interval_s: float = 0.5,
         on_core_start: Callable[[wire.Ready], None] | None = None,
-        max_restarts: int = 3,
-        restart_window_s: float = 60.0,
-        restart_backoff_s: float = 0.5,
+        max_restarts: int = MAX_RESTARTS,
+        restart_window_s: float = RESTART_WINDOW_S,
+        restart_backoff_s: float = RESTART_BACKOFF_S,
     ) -> None:
         """`on_iteration(snapshot)` publishes metrics (at most every metrics_interval_s); `on_broken(reason)`
         is called once when the engine cannot serve again; `on_core_start(ready)` after each (re)start.
