@@ -155,7 +155,7 @@ class OracleProposer:
                 drafts[j] = (drafts[j] + 1) % 700
         return drafts
 
-    def forget(self, key):
+    def finish(self, key, output):
         pass
 
 
@@ -320,7 +320,7 @@ def test_sampled_distribution_at_a_verified_position(demo_model_dir, hf_model):
         def propose(self, key, prompt_ids, output, max_tokens):
             return [draft] if output == [first] else []
 
-        def forget(self, key):
+        def finish(self, key, output):
             pass
 
     spec = dict(NGRAM, num_speculative_tokens=1, disable_by_batch_size=1 << 20)

@@ -472,7 +472,7 @@ class LLMEngine:
     ) -> RequestOutput:
         del self._seqs[seq.request_id]
         if self.spec_decoder is not None:
-            self.spec_decoder.forget(seq)
+            self.spec_decoder.finish(seq)
         self._detoks.pop(seq.request_id, None)
         seq.structured = None  # the matcher goes with the request
         return self._output(seq, text, new_tokens, new_lp, finished=True, error=error, error_kind=error_kind)

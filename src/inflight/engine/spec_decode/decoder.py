@@ -10,9 +10,10 @@ the draft removed and renormalized; greedy rows accept the longest prefix that m
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from inflight.engine.spec_decode.ngram import NgramProposer
+from inflight.engine.spec_decode.suffix import SuffixProposer
 from inflight.engine.spec_decode.verify import accepted_tokens
 
 if TYPE_CHECKING:
@@ -32,6 +33,28 @@ class _SeqState:
     def __init__(self) -> None:
         self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (drafted, accepted) per proposal
         self.cooldown = 0
+
+
+class Proposer(Protocol):
+    def propose(self, key: object, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
+        """At most max_tokens draft tokens for the sequence `key` (prompt + output so far)."""
+        ...
+
+    def finish(self, key: object, output: list[int]) -> None:
+        """The sequence `key` finished (or was aborted) with `output`."""
+        ...
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
 
 
 class SpecDecodeCounters:
@@ -69,7 +92,7 @@ class SpecDecoder:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = make_proposer(config)
         self._state: dict[Sequence, _SeqState] = {}
         self.counters = SpecDecodeCounters(self.k)
 
@@ -124,6 +147,7 @@ class SpecDecoder:
                 state.cooldown = COOLDOWN_STEPS
                 state.recent.clear()
 
-    def forget(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted."""
         self._state.pop(seq, None)
-        self.proposer.forget(seq)
+        self.proposer.finish(seq, seq.output_token_ids)
