@@ -185,6 +185,6 @@ def test_hash_collisions_are_not_matches():
     idx = SuffixIndex(buckets=2)  # every n-gram shares one of two chain heads
     idx.add_sequence([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2])
     tail = array("i", [9, 10, 1, 2])
-    found = idx.occurrences(tail, 0, 3, own=False)
-    assert [(m, end) for m, _, end in found] == [(3, 12), (2, 2)]
+    found, follows = idx.occurrences(tail, 0, 3, own=False)
+    assert [(m, end) for m, _, end in found] == [(3, 12), (2, 2)] and follows == 1
     assert len(found) <= MAX_OCCURRENCES

@@ -18,11 +18,12 @@ anchor (2) are not looked up; a pattern's counts come from its MAX_OCCURRENCES m
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 from array import array
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from operator import itemgetter
 
 ANCHORS = (2, 8)  # n-gram lengths with a hash chain: a pattern of m tokens is found through the longest n <= m
@@ -86,10 +87,11 @@ class SuffixIndex:
                 prevs[a].append(heads[a][h])
                 heads[a][h] = pos
 
-    def occurrences(self, tail: array, a: int, longest: int, own: bool) -> list[tuple[int, array, int]]:
+    def occurrences(self, tail: array, a: int, longest: int, own: bool) -> tuple[list[tuple[int, array, int]], int]:
         """The most recent occurrences (at most MAX_OCCURRENCES) of `tail`'s last n = ANCHORS[a] tokens: for each,
         how many of `tail`'s last tokens it matches (n to `longest`), and where it ends (its sequence, the offset
-        after it). `own`: the newest sequence ends with `tail` (a request's own tokens), the first one found."""
+        after it); and how many have a token after them. `own`: the newest sequence ends with `tail` (a request's
+        own tokens), the first occurrence found."""
         n = ANCHORS[a]
         last = len(tail) - 1
         pattern = tail[last + 1 - longest :]
@@ -100,6 +102,7 @@ class SuffixIndex:
         else:
             found = []
             pos = self.heads[a][zlib.crc32(tail[last + 1 - n :]) & self.mask]
+        follows = 0
         for _ in range(MAX_CHAIN_STEPS):
             sid = (pos >> _OFFSET_BITS) - self.first_id
             if pos < 0 or sid < 0:  # the chain's end, or sequences evicted
@@ -118,9 +121,10 @@ class SuffixIndex:
                 if match < n:
                     continue  # a hash collision
             found.append((match, seq, end))
+            follows += end < len(seq)
             if len(found) == MAX_OCCURRENCES:
                 break
-        return found
+        return found, follows
 
 
 class Draft:
@@ -177,7 +181,7 @@ class SuffixProposer:
         self.max_spec_factor = max_spec_factor
         self.min_token_prob = min_token_prob
         self._local: dict[object, SuffixIndex] = {}
-        self._limits: dict[int, tuple[list[int], list[int]]] = {}
+        self._limits: dict[int, tuple[Callable[[int, int], tuple[int, int]], list[int]]] = {}
         self.global_index: SuffixIndex | None = None
         if max_cached_requests:
             # About 512 tokens per cached request, up to a 2^20-slot head table per anchor (8 MiB).
@@ -204,20 +208,28 @@ class SuffixProposer:
                 draft = other
         return draft.token_ids
 
-    def limits(self, k: int) -> tuple[list[int], list[int]]:
-        """Per pattern length m: the most tokens its draft may have, and the most any pattern of 1..m tokens may."""
+    def limits(self, k: int) -> tuple[Callable[[int, int], tuple[int, int]], list[int]]:
+        """For patterns of more than `shorter` and at most m tokens: the most tokens a draft may have, and the
+        longest pattern length allowing that many (a function of (shorter, m), cached); and per m, the most
+        tokens any pattern of 1..m tokens may draft."""
         got = self._limits.get(k)
         if got is None:
             f, depth = self.max_spec_factor, self.depth
             most = [0] + [max(0, min(k, int(m * f + 1e-6), depth - m)) for m in range(1, depth)]
-            got = self._limits[k] = (most, list(itertools.accumulate(most, max)))
+
+            @functools.cache
+            def most_within(shorter: int, m: int) -> tuple[int, int]:
+                tokens = max(most[shorter + 1 : m + 1])
+                return tokens, next(mm for mm in range(m, shorter, -1) if most[mm] == tokens)
+
+            got = self._limits[k] = (most_within, list(itertools.accumulate(most, max)))
         return got
 
     def speculate(self, index: SuffixIndex, tail: array, k: int, own: bool = False) -> Draft:
         """The best draft `index` gives for the patterns that end `tail` (the sequence's last tokens). Anchors
         go deepest first; a shallower one finds the occurrences of the patterns shorter than the deeper one."""
         longest = len(tail) - 1  # Arctic's: a pattern is shorter than the context it is taken from
-        most, most_up_to = self.limits(k)
+        most_within, most_up_to = self.limits(k)
         best = Draft()
         upper = longest + 1  # patterns this long and longer are done
         walked = None  # (occurrences, most tokens) of all the deeper anchor found, when it found them all
@@ -225,9 +237,9 @@ class SuffixProposer:
             n = ANCHORS[a]
             if n > longest:
                 continue
-            found = index.occurrences(tail, a, upper - 1, own)
+            found, follows = index.occurrences(tail, a, upper - 1, own)
             upper = n  # a shallower anchor finds these occurrences again: it looks at shorter patterns only
-            if len(found) == own or all(end == len(seq) for _, seq, end in found):  # nothing follows any
+            if not follows:
                 walked = None
                 continue
             # A pattern's occurrences are those matching at least its length: with the longest matches first, a
@@ -242,9 +254,7 @@ class SuffixProposer:
                     if end < len(seq):
                         first[seq[end]] = first.get(seq[end], 0) + 1
                     size += 1
-                shorter = found[size][0] if size < len(found) else n - 1
-                tokens = max(most[shorter + 1 : m + 1])
-                length = next(mm for mm in range(m, shorter, -1) if most[mm] == tokens)
+                tokens, length = most_within(found[size][0] if size < len(found) else n - 1, m)
                 top = max(first.values(), default=0) / size  # no later token is more likely than the first
                 if top < self.min_token_prob or top * tokens <= best.score:
                     continue
