@@ -257,18 +257,12 @@ class LLMEngine:
                 self.structured_outputs.wait_for_compile(0.01)  # idle but for compiles: do not spin
             return outputs
         num_running = len(self.scheduler.running)
-        if sched.spec_token_ids is None:
-            decode = [
-                n
-                for s, n in zip(sched.seqs, sched.num_scheduled_tokens)
-                if n == 1 and s.num_computed_tokens == s.num_tokens - 1
-            ]
-        else:
-            decode = [
-                n
-                for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids)
-                if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
-            ]
+        drafts = sched.spec_token_ids or [()] * len(sched.seqs)
+        decode = [
+            n
+            for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, drafts)
+            if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
+        ]
         num_decode = (len(decode), sum(decode))  # sequences, tokens (a verifying one's drafts too)
         parts, failed = self._run_isolating(sched)
         if len(failed) > 1 and not parts:  # every sequence failed: the engine's failure, not theirs
