@@ -1,11 +1,5 @@
-"""Which sequences speculate this step, their drafts, and what came of them (acceptance counters, back-off).
-
-Verification is exact and draft-free (deterministic drafts): position i of a (d+1)-token chunk is sampled
-as speculation off would sample it (same logits, same seed and output index), and draft i is accepted when
-that token equals it. For a sampled row this is the rejection rule for a deterministic draft, coupled:
-the draft is accepted with probability p(draft), and a rejected position's token is distributed as p with
-the draft removed and renormalized; greedy rows accept the longest prefix that matches the argmax.
-"""
+"""Which sequences speculate this step, their drafts from the method's proposer (ngram.py, suffix.py), and what
+came of them (acceptance counters, back-off). Which drafts a step accepts: verify.py."""
 
 from __future__ import annotations
 

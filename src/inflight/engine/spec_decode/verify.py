@@ -1,6 +1,13 @@
 """Verification of a step's drafts: which drafts the model's tokens accept, and how the accepted tokens reach
 their sequences (one token at a time, the path decoding without drafts takes, so stop strings, max_tokens and
-min_tokens hold at every position)."""
+min_tokens hold at every position).
+
+Verification is exact (deterministic drafts): position i of a (d+1)-token chunk is sampled as speculation off
+would sample it (same logits, same seed and output index), and draft i is accepted when that token equals it.
+For a sampled row this is the rejection rule for a deterministic draft, coupled: the draft is accepted with
+probability p(draft), and a rejected position's token is distributed as p with the draft removed and
+renormalized; greedy rows accept the longest prefix that matches the argmax.
+"""
 
 from __future__ import annotations
 
