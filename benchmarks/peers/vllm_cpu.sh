@@ -6,6 +6,8 @@
 #   bash benchmarks/peers/vllm_cpu.sh [llama50m|llama32k|demo|DIR] [bench_vllm_cpu options...]
 #   python -m benchmarks.engine.bench_batching --model llama50m --num-requests 64 --vllm-result benchmarks/results/vllm_cpu.json
 #
+# VLLM_PEER_MODULE picks the script it runs there (default benchmarks.peers.bench_vllm_cpu; bench_spec_decode
+# --peers vllm runs benchmarks.peers.bench_vllm_spec_decode).
 # Exit status 3: vLLM's virtualenv could not be created (offline, no pip index): the caller skips the peer.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -35,4 +37,4 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2}  # GiB
 
 # The checkpoint comes from the project's environment (the same deterministic weights as the benchmark).
 MODEL_DIR=$(.venv/bin/python -c "from benchmarks.common.models import resolve_model; print(resolve_model('$MODEL'))")
-PYTHONPATH=.:src exec "$VENV/bin/python" -m benchmarks.peers.bench_vllm_cpu --model-dir "$MODEL_DIR" "$@"
+PYTHONPATH=.:src exec "$VENV/bin/python" -m "${VLLM_PEER_MODULE:-benchmarks.peers.bench_vllm_cpu}" --model-dir "$MODEL_DIR" "$@"

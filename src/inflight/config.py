@@ -44,20 +44,41 @@ def _triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-SPEC_METHODS = ("ngram",)
+SPEC_METHODS = ("ngram", "suffix")
 MAX_SPECULATIVE_TOKENS = 16  # a verification chunk of k+1 tokens; more costs compute that is rarely accepted
 MAX_PROMPT_LOOKUP = 64
+MAX_SUFFIX_TREE_DEPTH = 64  # proposing costs up to this many token comparisons per occurrence
+MAX_SUFFIX_CACHED_REQUESTS = 1 << 20
+# vLLM's defaults for method "suffix"; the fields stay None with method "ngram"
+SUFFIX_DEFAULTS = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
 
 
 @dataclass
 class SpeculativeConfig:
-    """Draft-free speculative decoding (vLLM's `speculative_config` names). `prompt_lookup_min/max` default
-    to each other, both to 5 when neither is given (as vLLM)."""
+    """Draft-free speculative decoding (vLLM's `speculative_config` names).
+
+    ngram: `prompt_lookup_min/max` default to each other, both to 5 when neither is given (as vLLM).
+    suffix: drafts from the request's own tokens and earlier requests' outputs (spec_decode/suffix.py);
+    `num_speculative_tokens` is the longest draft, min(suffix_decoding_max_tree_depth, 16) when not given
+    (vLLM: the tree depth); the `suffix_decoding_*` fields take vLLM's defaults.
+    """
 
     method: str = "ngram"
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # Suffix decoding: the depth of its trees (a match plus its draft), how many finished requests' outputs
+    # the global cache keeps (0: none, FIFO beyond), the longest draft per matched token, and the least
+    # estimated probability of a draft token.
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
     # No drafts while more than this many sequences run: a large step is compute-bound, drafts cost more
     # than they save there.
     disable_by_batch_size: int = 16
@@ -68,10 +89,30 @@ class SpeculativeConfig:
 
         if self.method not in SPEC_METHODS:
             raise bad("method", " or ".join(repr(m) for m in SPEC_METHODS))
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+        ints = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+                "suffix_decoding_max_tree_depth", "suffix_decoding_max_cached_requests")  # fmt: skip
+        for name in ints:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise bad(name, "an integer")
+        for name in ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise bad(name, "a number")
+        other = ("prompt_lookup_max", "prompt_lookup_min") if self.method == "suffix" else tuple(SUFFIX_DEFAULTS)
+        for name in other:
+            if getattr(self, name) is not None:
+                raise bad(name, f"unset with method {self.method!r}: it belongs to the other method")
+        if self.method == "suffix":
+            self._check_suffix(bad)
+        else:
+            self._check_ngram(bad)
+        if self.disable_by_batch_size < 1:
+            raise bad("disable_by_batch_size", ">= 1")
+
+    def _check_ngram(self, bad: Callable[[str, str], ConfigError]) -> None:
+        if self.num_speculative_tokens is None:
+            raise ConfigError("speculative_config.num_speculative_tokens is required")
         if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise bad("num_speculative_tokens", f"in [1, {MAX_SPECULATIVE_TOKENS}]")
         for name in ("prompt_lookup_max", "prompt_lookup_min"):
@@ -85,8 +126,23 @@ class SpeculativeConfig:
             self.prompt_lookup_max = self.prompt_lookup_min
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise bad("prompt_lookup_min", f"<= prompt_lookup_max={self.prompt_lookup_max}")
-        if self.disable_by_batch_size < 1:
-            raise bad("disable_by_batch_size", ">= 1")
+
+    def _check_suffix(self, bad: Callable[[str, str], ConfigError]) -> None:
+        for name, default in SUFFIX_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+        if not 1 <= self.suffix_decoding_max_tree_depth <= MAX_SUFFIX_TREE_DEPTH:
+            raise bad("suffix_decoding_max_tree_depth", f"in [1, {MAX_SUFFIX_TREE_DEPTH}]")
+        if not 0 <= self.suffix_decoding_max_cached_requests <= MAX_SUFFIX_CACHED_REQUESTS:
+            raise bad("suffix_decoding_max_cached_requests", f"in [0, {MAX_SUFFIX_CACHED_REQUESTS}]")
+        if not 0 <= self.suffix_decoding_max_spec_factor < float("inf"):
+            raise bad("suffix_decoding_max_spec_factor", ">= 0 and finite")
+        if not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise bad("suffix_decoding_min_token_prob", "in [0, 1]")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = min(self.suffix_decoding_max_tree_depth, MAX_SPECULATIVE_TOKENS)
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise bad("num_speculative_tokens", f"in [1, {MAX_SPECULATIVE_TOKENS}]")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -96,8 +152,6 @@ class SpeculativeConfig:
         value = json_object(value, "speculative_config", {f.name for f in fields(cls)})
         if not value:
             return None
-        if "num_speculative_tokens" not in value:
-            raise ConfigError("speculative_config.num_speculative_tokens is required")
         return cls(**value)
 
 

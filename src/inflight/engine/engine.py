@@ -5,6 +5,7 @@ step() = schedule → forward → sample → append → detokenize → finish/fr
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import time
@@ -18,7 +19,8 @@ from inflight.engine.kv_cache import BlockManager
 from inflight.engine.kv_events import AllBlocksCleared, ZmqEventPublisher
 from inflight.engine.scheduler import Scheduler, SchedulerOutput
 from inflight.engine.sequence import FinishReason, Sequence, SequenceStatus
-from inflight.engine.spec_decode.decoder import SpecDecoder
+from inflight.engine.spec_decode.decoder import SpecDecodeCounters, SpecDecoder
+from inflight.engine.spec_decode.verify import append_in_rounds
 from inflight.engine.stats import EngineSnapshot, StepStats
 from inflight.engine.structured_output import StructuredOutputManager, check_structured_outputs
 from inflight.executor.model_runner import ModelRunner
@@ -27,7 +29,7 @@ from inflight.model_source import resolve_model
 from inflight.models.config import ModelConfig, config_errors
 from inflight.models.loader import load_model, load_tokenizer
 from inflight.ops import dtype_probe
-from inflight.outputs import RequestOutput, TokenLogprob, merge_outputs
+from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 from inflight.text.detokenizer import IncrementalDetokenizer, detokenize_batch
 
@@ -94,19 +96,9 @@ class LLMEngine:
         self._detoks: dict[str, IncrementalDetokenizer] = {}
         self._aborted: list[Sequence] = []
         self.last_step_stats: StepStats | None = None
-        self.counters = {
-            "prompt_tokens": 0,
-            "generation_tokens": 0,
-            "preemptions": 0,
-            "steps": 0,
-            # vLLM's spec_decode counters (accepted drafts per position: a list of num_speculative_tokens)
-            "spec_decode_num_drafts": 0,
-            "spec_decode_num_draft_tokens": 0,
-            "spec_decode_num_accepted_tokens": 0,
-            "spec_decode_num_accepted_tokens_per_pos": [],
-        }
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
         spec = config.speculative_config
-        self.spec_decoder = SpecDecoder(spec, self.max_model_len, self.counters) if spec is not None else None
+        self.spec_decoder = SpecDecoder(spec, self.max_model_len) if spec is not None else None
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -221,13 +213,8 @@ class LLMEngine:
     @property
     def spec_decode_counters(self) -> dict[str, int | tuple[int, ...]]:
         """vLLM's spec_decode counters (all 0 when speculation is off), per position as a tuple."""
-        c = self.counters
-        return {
-            "spec_decode_num_drafts": c["spec_decode_num_drafts"],
-            "spec_decode_num_draft_tokens": c["spec_decode_num_draft_tokens"],
-            "spec_decode_num_accepted_tokens": c["spec_decode_num_accepted_tokens"],
-            "spec_decode_num_accepted_tokens_per_pos": tuple(c["spec_decode_num_accepted_tokens_per_pos"]),
-        }
+        counters = self.spec_decoder.counters if self.spec_decoder is not None else SpecDecodeCounters()
+        return counters.as_dict()
 
     def snapshot(self) -> EngineSnapshot:
         c = self.counters
@@ -270,18 +257,12 @@ class LLMEngine:
                 self.structured_outputs.wait_for_compile(0.01)  # idle but for compiles: do not spin
             return outputs
         num_running = len(self.scheduler.running)
-        if sched.spec_token_ids is None:
-            decode = [
-                n
-                for s, n in zip(sched.seqs, sched.num_scheduled_tokens)
-                if n == 1 and s.num_computed_tokens == s.num_tokens - 1
-            ]
-        else:
-            decode = [
-                n
-                for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids)
-                if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
-            ]
+        drafts = sched.spec_token_ids or [()] * len(sched.seqs)
+        decode = [
+            n
+            for s, n, d in zip(sched.seqs, sched.num_scheduled_tokens, drafts)
+            if n == 1 + len(d) and s.num_computed_tokens == s.num_tokens - 1
+        ]
         num_decode = (len(decode), sum(decode))  # sequences, tokens (a verifying one's drafts too)
         parts, failed = self._run_isolating(sched)
         if len(failed) > 1 and not parts:  # every sequence failed: the engine's failure, not theirs
@@ -359,41 +340,21 @@ class LLMEngine:
             return None
 
     def _process_verified(self, part: SchedulerOutput, result, seqs: list[Sequence], sampled) -> list[RequestOutput]:
-        """Tokens of a step that verified drafts: each sequence's accepted drafts and the token after them go
-        through the one-token path in rounds (the KV of a token counts once it is accepted), and a sequence
-        stops at the first token that finishes it. One output per sequence carries all its tokens."""
-        tokens = sampled.token_ids.tolist()
-        num_spec = result.num_spec_tokens.tolist()
-        rows = [s for s, d in zip(seqs, num_spec) for _ in range(d + 1)]
-        row_logprobs = self._logprobs(rows, sampled)
-        accepted: list[list[int]] = []
-        logprobs = [] if row_logprobs is not None else None
-        g = 0
-        for seq, i, d in zip(seqs, result.sample_rows.tolist(), num_spec):
-            drafts, verified = part.spec_token_ids[i], tokens[g : g + d + 1]
-            m = 0
-            while m < d and verified[m] == drafts[m]:  # the model's token at each position, drafts until one differs
-                m += 1
-            accepted.append(verified[: m + 1])
-            if logprobs is not None:
-                logprobs.append(row_logprobs[g])  # sequences with logprobs do not speculate: one row each
-            if d:
-                self.spec_decoder.record(seq, d, m)
-            g += d + 1
-        outputs = self._process_samples(seqs, [a[0] for a in accepted], logprobs)
-        index = {o.request_id: i for i, o in enumerate(outputs)}
-        r = 1
-        while True:
-            live = [(seq, a[r]) for seq, a in zip(seqs, accepted) if len(a) > r and not seq.is_finished]
-            if not live:
-                return outputs
-            for seq, _ in live:
-                seq.num_computed_tokens += 1  # the KV of the draft just accepted
-                self.block_manager.cache_full_blocks(seq)
-            for out in self._process_samples([s for s, _ in live], [t for _, t in live], None):
-                i = index[out.request_id]
-                outputs[i] = merge_outputs(outputs[i], out)
-            r += 1
+        """Tokens of a step that verified drafts: each sequence's accepted drafts and the token after them, through
+        the one-token path in rounds (spec_decode.verify). Sequences with logprobs do not speculate: their one
+        row is their first."""
+        drafts = [part.spec_token_ids[i] for i in result.sample_rows.tolist()]
+        accepted = self.spec_decoder.verify(seqs, drafts, sampled.token_ids.tolist())
+        row_logprobs = self._logprobs([s for s, d in zip(seqs, drafts) for _ in range(len(d) + 1)], sampled)
+        logprobs = None
+        if row_logprobs is not None:
+            logprobs = [row_logprobs[g] for g in itertools.accumulate((len(d) + 1 for d in drafts[:-1]), initial=0)]
+        first = self._process_samples(seqs, [a[0] for a in accepted], logprobs)
+        return append_in_rounds(seqs, accepted, first, self._process_samples, self._commit_accepted)
+
+    def _commit_accepted(self, seq: Sequence) -> None:
+        seq.num_computed_tokens += 1  # the KV of a draft counts once it is accepted
+        self.block_manager.cache_full_blocks(seq)
 
     def _process_samples(self, seqs: list[Sequence], sampled, logprobs=None) -> list[RequestOutput]:
         """`sampled`: the sampler's output, or the tokens as a list (with `logprobs`, one per sequence)."""
@@ -505,7 +466,7 @@ class LLMEngine:
     ) -> RequestOutput:
         del self._seqs[seq.request_id]
         if self.spec_decoder is not None:
-            self.spec_decoder.forget(seq)
+            self.spec_decoder.finish(seq)
         self._detoks.pop(seq.request_id, None)
         seq.structured = None  # the matcher goes with the request
         return self._output(seq, text, new_tokens, new_lp, finished=True, error=error, error_kind=error_kind)

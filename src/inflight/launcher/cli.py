@@ -35,7 +35,8 @@ _HELP = {
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: on)",
     "enforce_eager": "GPU: launch decode steps' kernels one by one instead of replaying CUDA graphs (default: off)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (default: off)',
+    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix", "num_speculative_tokens": 8}\' '
+    "(default: off)",
     "dtype": "auto: the checkpoint's on GPU; on CPU bfloat16 with AMX / AVX512-BF16, else float32 (logged)",
     "kv_events_config": "vLLM's KV events for KV-aware routers, JSON: "
     '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' (default: off)',

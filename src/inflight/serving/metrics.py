@@ -125,16 +125,18 @@ class TritonMetrics:
         self._labels = labels
         self._spec_per_pos: list = []
         self._spec_per_pos_counted: list[int] = []
-        self._counted = {
-            "spec_decode_num_drafts": 0,
-            "spec_decode_num_draft_tokens": 0,
-            "spec_decode_num_accepted_tokens": 0,
-            "num_preemptions": 0,
-            "prompt_tokens": 0,
-            "generation_tokens": 0,
-            "prefix_cache_queries": 0,
-            "prefix_cache_hits": 0,
-        }
+        # Each snapshot counter (EngineSnapshot's field) and the metrics it advances.
+        self._counters = (
+            ("num_preemptions", [self.preemptions, self.vllm_preemptions]),
+            ("prompt_tokens", [self.prompt_tokens, self.vllm_prompt_tokens]),
+            ("generation_tokens", [self.generation_tokens, self.vllm_generation_tokens]),
+            ("prefix_cache_queries", [self.prefix_cache_queries, self.vllm_prefix_cache_queries]),
+            ("prefix_cache_hits", [self.prefix_cache_hits, self.vllm_prefix_cache_hits]),
+            ("spec_decode_num_drafts", [self.vllm_spec_drafts]),
+            ("spec_decode_num_draft_tokens", [self.vllm_spec_draft_tokens]),
+            ("spec_decode_num_accepted_tokens", [self.vllm_spec_accepted]),
+        )
+        self._counted = dict.fromkeys((key for key, _ in self._counters), 0)
         self._max_spread = 0.0
         self._steps_seen = -1
 
@@ -147,16 +149,7 @@ class TritonMetrics:
     def update(self, snap: EngineSnapshot) -> None:
         """Refresh from one snapshot of the engine."""
         # Counters before gauges: a reader that sees the gauges of this iteration sees its counters too.
-        for key, metrics in (
-            ("num_preemptions", [self.preemptions, self.vllm_preemptions]),
-            ("prompt_tokens", [self.prompt_tokens, self.vllm_prompt_tokens]),
-            ("generation_tokens", [self.generation_tokens, self.vllm_generation_tokens]),
-            ("prefix_cache_queries", [self.prefix_cache_queries, self.vllm_prefix_cache_queries]),
-            ("prefix_cache_hits", [self.prefix_cache_hits, self.vllm_prefix_cache_hits]),
-            ("spec_decode_num_drafts", [self.vllm_spec_drafts]),
-            ("spec_decode_num_draft_tokens", [self.vllm_spec_draft_tokens]),
-            ("spec_decode_num_accepted_tokens", [self.vllm_spec_accepted]),
-        ):
+        for key, metrics in self._counters:
             value = getattr(snap, key)
             if value > self._counted[key]:
                 for metric in metrics:

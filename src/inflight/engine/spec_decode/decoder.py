@@ -1,18 +1,14 @@
-"""Which sequences speculate this step, their drafts, and what came of them (acceptance counters, back-off).
-
-Verification is exact and draft-free (deterministic drafts): position i of a (d+1)-token chunk is sampled
-as speculation off would sample it (same logits, same seed and output index), and draft i is accepted when
-that token equals it. For a sampled row this is the rejection rule for a deterministic draft, coupled:
-the draft is accepted with probability p(draft), and a rejected position's token is distributed as p with
-the draft removed and renormalized; greedy rows accept the longest prefix that matches the argmax.
-"""
+"""Which sequences speculate this step, their drafts from the method's proposer (ngram.py, suffix.py), and what
+came of them (acceptance counters, back-off). Which drafts a step accepts: verify.py."""
 
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from inflight.engine.spec_decode.ngram import NgramProposer
+from inflight.engine.spec_decode.suffix import SuffixProposer
+from inflight.engine.spec_decode.verify import accepted_tokens
 
 if TYPE_CHECKING:
     from inflight.config import SpeculativeConfig
@@ -33,21 +29,66 @@ class _SeqState:
         self.cooldown = 0
 
 
+class Proposer(Protocol):
+    def propose(self, key: object, prompt: list[int], output: list[int], max_tokens: int) -> list[int]:
+        """At most max_tokens draft tokens for the sequence `key` (prompt + output so far)."""
+        ...
+
+    def finish(self, key: object, output: list[int]) -> None:
+        """The sequence `key` finished (or was aborted) with `output`."""
+        ...
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.num_speculative_tokens,
+            config.suffix_decoding_max_tree_depth,
+            config.suffix_decoding_max_cached_requests,
+            config.suffix_decoding_max_spec_factor,
+            config.suffix_decoding_min_token_prob,
+        )
+    return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+class SpecDecodeCounters:
+    """vLLM's spec_decode counters, cumulative: verified proposals, their draft tokens, the drafts accepted,
+    and accepted drafts by position in the proposal (one entry per position up to num_speculative_tokens)."""
+
+    __slots__ = ("num_accepted_tokens", "num_accepted_tokens_per_pos", "num_draft_tokens", "num_drafts")
+
+    def __init__(self, num_speculative_tokens: int = 0) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * num_speculative_tokens
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    def as_dict(self) -> dict[str, int | tuple[int, ...]]:
+        """Under EngineSnapshot's field names (vLLM's), per position as a tuple."""
+        return {
+            "spec_decode_num_drafts": self.num_drafts,
+            "spec_decode_num_draft_tokens": self.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": tuple(self.num_accepted_tokens_per_pos),
+        }
+
+
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, counters: dict | None = None) -> None:
-        """`counters`: where vLLM's spec_decode counters go (the engine's `counters`)."""
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        self.proposer = make_proposer(config)
         self._state: dict[Sequence, _SeqState] = {}
-        self.counters = counters if counters is not None else {}
-        self.counters.update(
-            spec_decode_num_drafts=0,
-            spec_decode_num_draft_tokens=0,
-            spec_decode_num_accepted_tokens=0,
-            spec_decode_num_accepted_tokens_per_pos=[0] * self.k,
-        )
+        self.counters = SpecDecodeCounters(self.k)
 
     @staticmethod
     def can_speculate(seq: Sequence) -> bool:
@@ -79,14 +120,17 @@ class SpecDecoder:
                 continue
             seq.spec_token_ids = self.proposer.propose(seq, seq.prompt_token_ids, seq.output_token_ids, room)
 
+    def verify(self, seqs: list[Sequence], drafts: list[list[int]], tokens: list[int]) -> list[list[int]]:
+        """The tokens each sequence accepts (verify.accepted_tokens), recorded in the counters and back-off."""
+        accepted = accepted_tokens(drafts, tokens)
+        for seq, d, a in zip(seqs, drafts, accepted):
+            if d:
+                self.record(seq, len(d), len(a) - 1)
+        return accepted
+
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
-        c = self.counters
-        c["spec_decode_num_drafts"] += 1
-        c["spec_decode_num_draft_tokens"] += num_drafts
-        c["spec_decode_num_accepted_tokens"] += num_accepted
-        per_pos = c["spec_decode_num_accepted_tokens_per_pos"]
-        for i in range(num_accepted):
-            per_pos[i] += 1
+        """One verified proposal of `seq`: the counters, and its back-off."""
+        self.counters.record(num_drafts, num_accepted)
         state = self._state.get(seq)
         if state is None:
             return
@@ -97,6 +141,7 @@ class SpecDecoder:
                 state.cooldown = COOLDOWN_STEPS
                 state.recent.clear()
 
-    def forget(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted."""
         self._state.pop(seq, None)
-        self.proposer.forget(seq)
+        self.proposer.finish(seq, seq.output_token_ids)

@@ -86,5 +86,5 @@ class NgramProposer:
         index.sync(prompt, output)
         return propose(index.buf, index.num_tokens, self.min_n, self.max_n, min(self.k, max_tokens))
 
-    def forget(self, key: object) -> None:
+    def finish(self, key: object, output: list[int]) -> None:
         self._index.pop(key, None)
