@@ -192,18 +192,20 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
   int64_t R = 1;  // the largest tile among these tasks
   for (int64_t task = begin; task < end; ++task) R = std::max(R, a.tiles[task / splits + 1] - a.tiles[task / splits]);
   const int64_t X = per * G;
-  // Per-thread scratch, grown once and reused (no zeroing: every value is written before it is read).
+  // Per-thread scratch, grown once and reused (no zeroing: every value is written before it is read), its
+  // arrays on 64-byte lines so that no vector load or store straddles two.
   thread_local std::vector<float> scratch;
-  const int64_t w = WIDEN ? bs * per * D : 0;
-  const size_t need = size_t(R * X * (2 * D + bs + 2) + 2 * w);
+  const auto lines = [](int64_t n) { return (n + 15) / 16 * 16; };
+  const int64_t w = WIDEN ? lines(bs * per * D) : 0;
+  const size_t need = size_t(2 * w + 2 * lines(R * X * D) + lines(R * X * bs) + 2 * lines(R * X) + 16);
   if (scratch.size() < need) scratch.resize(need);
-  float* const qv = scratch.data();
-  float* const accv = qv + R * X * D;
-  float* const sv = accv + R * X * D;
-  float* const mv = sv + R * X * bs;
-  float* const lv = mv + R * X;
-  float* const kw = lv + R * X;
+  float* const kw = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
   float* const vw = kw + w;
+  float* const qv = vw + w;
+  float* const accv = qv + lines(R * X * D);
+  float* const sv = accv + lines(R * X * D);
+  float* const mv = sv + lines(R * X * bs);
+  float* const lv = mv + lines(R * X);
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task / splits, h0 = (task % splits) * per;
     const int64_t nh = std::min(Hkv, h0 + per) - h0;
