@@ -9,6 +9,7 @@ from torch import nn
 
 from inflight.models.loader import load_model
 from inflight.models.packed_linear import PackedLinear, RowPaddedLinear, pack_linears
+from inflight.ops import cpu
 
 
 def test_bf16_packed_rounds_the_fp32_product_once(demo_model_dir):
@@ -56,17 +57,31 @@ def test_fp16_is_left_alone(demo_model_dir):
     assert pack_linears(model) == 0 and not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
-def test_tied_lm_head_is_not_packed(tmp_path):
-    """Packing a tied lm_head would hold a second, reordered copy of the embedding (vocab x hidden)."""
-    transformers = pytest.importorskip("transformers")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tied_lm_head_is_packed_where_our_gemm_runs_it(tmp_path, dtype, monkeypatch):
+    """The output layer is a large share of a small model's decode step: a tied lm_head gets a packed copy
+    of the embedding for our GEMM (the embedding keeps its tensor, the logits HF's within rounding), unless
+    that copy would pass the bound; then it shares the embedding's tensor as before."""
+    pytest.importorskip("transformers")
     from test_loader import make_checkpoint
 
+    from inflight.models import loader
+
     make_checkpoint(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True)
-    assert transformers  # the checkpoint is written by HF itself
-    model, _ = load_model(tmp_path, torch.bfloat16, "cpu")
-    if not any(isinstance(m, PackedLinear) for m in model.modules()):
-        pytest.skip("this torch build or CPU has no oneDNN bf16")
-    assert isinstance(model.lm_head, nn.Linear)
+    model, _ = load_model(tmp_path, dtype, "cpu")
+    if not cpu.gemm_supports(dtype, model.model.embed_tokens.weight.shape[1]):
+        pytest.skip("our GEMM does not run this dtype here")
+    assert isinstance(model.lm_head, PackedLinear) and model.lm_head.own_gemm
+    hidden = torch.randn(3, model.lm_head.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    tied = torch.nn.functional.linear(hidden, model.model.embed_tokens.weight)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(model.lm_head(hidden).float(), tied.float(), atol=tol, rtol=tol)
+    with torch.inference_mode():  # a row's logits do not depend on the rows beside it
+        assert torch.equal(torch.cat([model.lm_head(h[None]) for h in hidden]), model.lm_head(hidden))
+
+    monkeypatch.setattr(loader, "TIED_HEAD_COPY_MAX_BYTES", 1024)
+    model, _ = load_model(tmp_path, dtype, "cpu")
+    assert not isinstance(model.lm_head, PackedLinear)
     assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
@@ -98,10 +113,14 @@ def test_rows_do_not_depend_on_how_many_share_the_call(dtype, in_features, out_f
         assert ((together.float() - exact).abs() <= exact.abs() * rel + 1e-4).all()
 
 
-def test_tied_bf16_head_shares_the_embedding_and_pads_a_lone_row(tmp_path):
+def test_tied_bf16_head_shares_the_embedding_and_pads_a_lone_row(tmp_path, monkeypatch):
+    """Where the tied head is not packed (over the copy bound, or no GEMM of ours), it shares the embedding."""
     transformers = pytest.importorskip("transformers")
     from test_loader import make_checkpoint
 
+    from inflight.models import loader
+
+    monkeypatch.setattr(loader, "TIED_HEAD_COPY_MAX_BYTES", 0)
     make_checkpoint(tmp_path, "LlamaForCausalLM", tie_word_embeddings=True, hidden_size=1536, head_dim=16)
     assert transformers
     model, _ = load_model(tmp_path, torch.bfloat16, "cpu")

@@ -4,6 +4,7 @@ or a GGUF file (a .gguf, or a directory holding one; tensors dequantized by mode
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -16,6 +17,9 @@ from inflight.models.config import ModelConfig, config_errors
 from inflight.models.gguf_loader import read_tensors
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import pack_linears
+from inflight.ops import cpu
+
+logger = logging.getLogger(__name__)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -74,10 +78,28 @@ def load_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fuse_projections()
-    # CPU fp32/bf16 only; a no-op elsewhere. A tied lm_head stays as it is: packing would copy the embedding.
-    pack_linears(model, skip={model.lm_head} if cfg.tie_word_embeddings else set())
+    # CPU fp32/bf16 only; a no-op elsewhere. A tied lm_head is packed too where our GEMM runs it (a copy of the
+    # embedding: the output layer is a large share of a small model's decode step); else it keeps the tensor.
+    skip = set()
+    if cfg.tie_word_embeddings and not _pack_tied_head(model.lm_head):
+        skip = {model.lm_head}
+    pack_linears(model, skip=skip)
     model.eval().requires_grad_(False)
     return model, cfg
+
+
+TIED_HEAD_COPY_MAX_BYTES = 1 << 30  # a larger tied embedding is not copied into a packed output layer
+
+
+def _pack_tied_head(head: torch.nn.Linear) -> bool:
+    w = head.weight
+    if w.device.type != "cpu" or not cpu.gemm_supports(w.dtype, head.in_features):
+        return False
+    copy = w.numel() * w.element_size()
+    if copy > TIED_HEAD_COPY_MAX_BYTES:
+        logger.info("tied output layer left unpacked: packing would copy %.0f MiB", copy / 2**20)
+        return False
+    return True
 
 
 def _check_tensor(file: str, name: str, tensor: torch.Tensor, expected: dict, cfg: ModelConfig, source: str) -> None:
