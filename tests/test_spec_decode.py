@@ -410,6 +410,34 @@ def test_back_off_when_drafts_are_rejected(demo_model_dir):
     assert engine.spec_decode_counters["spec_decode_num_drafts"] <= 30
 
 
+def test_back_off_bound_rises_with_the_batch(demo_model_dir):
+    """Drafts accepted at 30%: kept while a sequence runs alone (draft rows ride along with a memory-bound step),
+    backed off once more than SMALL_BATCH run (they cost compute there)."""
+    from inflight.config import SpeculativeConfig
+    from inflight.engine.spec_decode.decoder import SMALL_BATCH, WINDOW, SpecDecoder
+
+    decoder = SpecDecoder(SpeculativeConfig.parse(NGRAM), 256)
+    for running, backs_off in ((1, False), (SMALL_BATCH + 4, True)):
+        seq = _FakeSeq()
+        decoder.propose([seq] + [_FakeSeq(prefilling=True) for _ in range(running - 1)])
+        for _ in range(WINDOW):
+            decoder.record(seq, 10, 3)  # 30% of the drafts accepted
+        assert (decoder._state[seq].cooldown > 0) is backs_off, running
+
+
+class _FakeSeq:
+    """What SpecDecoder.propose reads of a sequence: one still prefilling is skipped."""
+
+    def __init__(self, prefilling: bool = False) -> None:
+        self.prompt_token_ids = [1, 2, 3, 1, 2, 3, 1, 2]
+        self.output_token_ids = [3]
+        self.num_tokens = 9
+        self.num_computed_tokens = 0 if prefilling else 8
+        self.structured = None
+        self.spec_token_ids = None
+        self.sampling_params = SamplingParams(max_tokens=100, temperature=0.0)
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     data=st.lists(

