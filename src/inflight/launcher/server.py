@@ -195,21 +195,26 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout_s: float = 300.0, model: str = MODEL_NAME) -> None:
-        """Block until the model is ready; raise with the log's tail if the server dies first."""
+        """Block until the model is ready and the metrics endpoint answers (tritonserver starts it after the
+        HTTP one); raise with the log's tail if the server dies first."""
         deadline = time.monotonic() + timeout_s
-        url = f"{self.http_url}/v2/models/{model}/ready"
-        while time.monotonic() < deadline:
-            if self.process is None or self.process.poll() is not None:
-                code = None if self.process is None else self.process.returncode
-                raise LauncherError(f"tritonserver exited with code {code} before '{model}' was ready{self._tail()}")
-            try:
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(0.25)
-        raise LauncherError(f"'{model}' not ready after {timeout_s:.0f}s{self._tail()}")
+        for url in (f"{self.http_url}/v2/models/{model}/ready", self.metrics_url):
+            while not self._answers(url):
+                if self.process is None or self.process.poll() is not None:
+                    code = None if self.process is None else self.process.returncode
+                    why = f"tritonserver exited with code {code} before '{model}' was ready"
+                    raise LauncherError(why + self._tail())
+                if time.monotonic() >= deadline:
+                    raise LauncherError(f"'{model}' not ready after {timeout_s:.0f}s{self._tail()}")
+                time.sleep(0.25)
+
+    @staticmethod
+    def _answers(url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def model_state(self, model: str = MODEL_NAME) -> str | None:
         """The model's state in the repository index (READY, LOADING, UNLOADING, UNAVAILABLE), None if unknown."""
