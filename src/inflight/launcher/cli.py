@@ -252,15 +252,21 @@ def _serve(ns: argparse.Namespace) -> int:
         return 1
 
 
+def _add_passthrough(sub, name: str, func, help: str, description: str) -> None:
+    """A subcommand that hands its arguments, --help included, to its own parser (`func` takes them)."""
+    p = sub.add_parser(name, help=help, description=description, add_help=False)
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=func)
+
+
 def _add_dynamo_worker(sub) -> None:
-    p = sub.add_parser(
+    _add_passthrough(
+        sub,
         "dynamo-worker",
+        _dynamo_worker,
         help="register a running replica with NVIDIA Dynamo (needs scripts/install_dynamo.sh)",
         description="A Dynamo worker for one replica: `inflight dynamo-worker --help` lists its options.",
-        add_help=False,
     )
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_dynamo_worker)
 
 
 def _dynamo_worker(ns: argparse.Namespace | list[str]) -> int:
@@ -274,14 +280,13 @@ def _dynamo_worker(ns: argparse.Namespace | list[str]) -> int:
 
 
 def _add_cluster(sub) -> None:
-    p = sub.add_parser(
+    _add_passthrough(
+        sub,
         "cluster",
+        _cluster,
         help="N replicas + a Dynamo worker each + Dynamo's frontend with the KV router, on loopback",
         description="A local cluster: `inflight cluster --help` lists its options.",
-        add_help=False,
     )
-    p.add_argument("args", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_cluster)
 
 
 def _cluster(ns: argparse.Namespace | list[str]) -> int:

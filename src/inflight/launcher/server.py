@@ -216,16 +216,19 @@ class TritonServer:
         except (urllib.error.URLError, OSError):
             return False
 
-    def model_state(self, model: str = MODEL_NAME) -> str | None:
-        """The model's state in the repository index (READY, LOADING, UNLOADING, UNAVAILABLE), None if unknown."""
-        request = urllib.request.Request(
-            f"{self.http_url}/v2/repository/index",
+    def _repository_post(self, path: str) -> urllib.request.Request:
+        """A POST to the repository API at /v2/repository/`path`, with this launch's secret."""
+        return urllib.request.Request(
+            f"{self.http_url}/v2/repository/{path}",
             data=b"{}",
             headers={_REPOSITORY_KEY: self._repository_secret, "Content-Type": "application/json"},
             method="POST",
         )
+
+    def model_state(self, model: str = MODEL_NAME) -> str | None:
+        """The model's state in the repository index (READY, LOADING, UNLOADING, UNAVAILABLE), None if unknown."""
         try:
-            with urllib.request.urlopen(request, timeout=2) as resp:
+            with urllib.request.urlopen(self._repository_post("index"), timeout=2) as resp:
                 index = json.loads(resp.read())
         except (urllib.error.URLError, OSError, ValueError):
             return None
@@ -234,14 +237,8 @@ class TritonServer:
     def load_model(self, model: str = MODEL_NAME, timeout_s: float = STUB_RELOAD_TIMEOUT_S) -> str | None:
         """(Re)load `model` through the repository API (a loaded model is replaced by a fresh copy once the
         new one is ready); None on success, else the error."""
-        request = urllib.request.Request(
-            f"{self.http_url}/v2/repository/models/{model}/load",
-            data=b"{}",
-            headers={_REPOSITORY_KEY: self._repository_secret, "Content-Type": "application/json"},
-            method="POST",
-        )
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s):
+            with urllib.request.urlopen(self._repository_post(f"models/{model}/load"), timeout=timeout_s):
                 return None
         except urllib.error.HTTPError as e:
             return f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
