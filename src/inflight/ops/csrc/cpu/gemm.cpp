@@ -33,7 +33,15 @@ bool supports_bf16() {
 }
 
 template <typename T>
-using KernelFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, const T*, int);
+using KernelFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, const T*, int, const T*, int, int);
+
+// A task's first row block streams its panel from memory; the later ones read it from L2 and meanwhile pull
+// lines [j0, j0 + nl) of each step of the next panel into L2, so that memory and FMAs overlap (decode's
+// few-row GEMMs were the sum of both). Prefetches change no result.
+static inline void prefetch_lines(const void* next, int64_t k, int j0, int nl) {
+  const char* line = static_cast<const char*>(next) + k * NR * 4 + 64 * j0;  // a step of a panel: 3 lines
+  for (int j = 0; j < nl; ++j) _mm_prefetch(line + 64 * j, _MM_HINT_T1);
+}
 
 #ifdef __AVX512F__
 static inline __mmask16 lane_mask(int valid) {
@@ -42,11 +50,12 @@ static inline __mmask16 lane_mask(int valid) {
 
 template <int R>
 static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* bias,
-                       int valid) {
+                       int valid, const float* next, int j0, int nl) {
   __m512 acc[R][3];
   for (int i = 0; i < R; i++)
     for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k++) {
+    if (nl) prefetch_lines(next, k, j0, nl);
     const float* wk = w + k * NR;
     const __m512 b0 = _mm512_loadu_ps(wk), b1 = _mm512_loadu_ps(wk + 16), b2 = _mm512_loadu_ps(wk + 32);
     for (int i = 0; i < R; i++) {
@@ -83,11 +92,12 @@ static inline void store_bf16(uint16_t* y, __mmask16 m, __m512 sum, __m512 bv) {
 
 template <int R>
 static void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* y, int64_t ldy,
-                        const uint16_t* bias, int valid) {
+                        const uint16_t* bias, int valid, const uint16_t* next, int j0, int nl) {
   __m512 acc[R][3];
   for (int i = 0; i < R; i++)
     for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 2) {
+    if (nl) prefetch_lines(next, k / 2, j0, nl);  // a k-pair step is 3 lines too
     const uint16_t* wk = w + k * NR;
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(wk), b1 = (__m512bh)_mm512_loadu_si512(wk + 32),
                    b2 = (__m512bh)_mm512_loadu_si512(wk + 64);
@@ -225,12 +235,23 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
   const KernelFn<T>* kernels = kernels_for(x);
   const int64_t P = (N + NR - 1) / NR, panel_elems = K * NR;
   for (int64_t t = begin; t < end; t++) {
-    const int64_t c = t / P, p = t % P, m1 = std::min(M, (c + 1) * MC);
+    const int64_t c = t / P, p = t % P, m0 = c * MC, m1 = std::min(M, (c + 1) * MC);
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
-    for (int64_t m = c * MC; m < m1; m += MR) {
+    // The next task's panel is fetched by up to 3 later row blocks (3 lines a step in all); a lone block
+    // streams both panels.
+    const int64_t blocks = (m1 - m0 + MR - 1) / MR, helpers = std::min<int64_t>(blocks - 1, 3);
+    const T* next = t + 1 < end ? w + ((t + 1) % P) * panel_elems : nullptr;
+    for (int64_t m = m0, b = 0; m < m1; m += MR, ++b) {
       const int rows = (int)std::min<int64_t>(MR, m1 - m);
+      int j0 = 0, nl = 0;
+      if (next != nullptr && helpers == 0) {
+        nl = 3;
+      } else if (next != nullptr && b >= 1 && b <= helpers) {
+        j0 = (int)(3 * (b - 1) / helpers);
+        nl = (int)(3 * b / helpers) - j0;
+      }
       kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy, bias ? bias + p * NR : nullptr,
-                    valid);
+                    valid, next, j0, nl);
     }
   }
 }
