@@ -338,3 +338,20 @@ def test_extreme_penalties_always_give_a_token(repetition_penalty, presence_pena
     row = torch.linspace(-3, 3, 50)
     out = sample(row[None], [seq(p, seed=3, output=[49, 48, 48, 47], prompt=[49, 1])]).token_ids.tolist()
     assert 0 <= out[0] < 50
+
+
+def test_in_place_gives_the_same_tokens_and_raw_logprobs():
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(8)) * 3
+    seqs = [
+        seq(SamplingParams(temperature=0.0, logprobs=3, min_tokens=5)),  # EOS masked, logprobs raw
+        seq(SamplingParams(temperature=1.0, seed=2, logprobs=1, repetition_penalty=2.0), output=[1, 2, 3]),
+        seq(SamplingParams(temperature=0.0, presence_penalty=1.5), output=[int(logits[2].argmax())]),
+        seq(SamplingParams(temperature=0.5, top_k=3, seed=1)),
+    ]
+    sampler = Sampler(100, [EOS])
+    want = sampler(logits.clone(), seqs)
+    owned = logits.clone()
+    got = sampler(owned, seqs, in_place=True)
+    assert torch.equal(got.token_ids, want.token_ids)
+    assert torch.equal(got.logprobs, want.logprobs) and torch.equal(got.top_ids, want.top_ids)
+    assert owned[0, EOS] == -math.inf and not torch.equal(owned, logits)  # the masks went into the logits

@@ -217,3 +217,26 @@ def test_prompt_tiles_give_each_row_its_bits_alone(dtype, head_dim):
     for r in range(len(rows)):
         alone = cpu.paged_attention(q[r : r + 1], k, v, tables[r : r + 1], lens[r : r + 1], head_dim**-0.5)
         assert torch.equal(alone[0], full[r]), f"row {r}"
+
+
+@needs_op
+@pytest.mark.parametrize("shape", [(1, 5), (3, 16), (32, 49152), (7, 49157), (2, 33), (5, 1)])
+def test_argmax_is_torch_argmax(shape):
+    gen = torch.Generator().manual_seed(shape[1])
+    logits = torch.randn(*shape, generator=gen)
+    assert torch.equal(cpu.argmax(logits), logits.argmax(-1))
+    ties = torch.randint(0, 3, shape, generator=gen).float()  # many equal maxima: the first one wins
+    assert torch.equal(cpu.argmax(ties), ties.argmax(-1))
+
+
+@needs_op
+def test_argmax_nan_inf_and_strided_rows():
+    logits = torch.zeros(5, 100)
+    logits[1, 50] = logits[1, 70] = float("nan")  # torch answers the first NaN
+    logits[2, 99] = float("nan")  # in the tail past whole vectors
+    logits[3] = -float("inf")
+    logits[4, 3], logits[4, 90] = float("inf"), float("inf")
+    assert cpu.argmax(logits).tolist() == logits.argmax(-1).tolist() == [0, 50, 99, 0, 3]
+    wide = torch.randn(8, 200)
+    wide[:, 150:] = 1e9  # padded vocabulary columns outside the view
+    assert torch.equal(cpu.argmax(wide[:, :150]), wide[:, :150].argmax(-1))

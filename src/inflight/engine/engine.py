@@ -300,7 +300,8 @@ class LLMEngine:
             if result.num_spec_tokens is not None:
                 rows = [s for s, d in zip(sampling, result.num_spec_tokens.tolist()) for _ in range(d + 1)]
             bitmask = self.structured_outputs.grammar_bitmask(rows)
-            sampled = self.sampler(result.logits, rows, bitmask, result.sampling_metadata)
+            with torch.inference_mode():  # the logits are the forward's inference tensors, masked in place
+                sampled = self.sampler(result.logits, rows, bitmask, result.sampling_metadata, in_place=True)
         return result, sampling, sampled
 
     def _run_isolating(

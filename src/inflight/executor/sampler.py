@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from inflight.ops import cpu as cpu_ops
 from inflight.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine hands its sequences down; the executor never imports the engine
@@ -67,6 +68,13 @@ def gumbel_noise(keys: torch.Tensor, hashed_ids: torch.Tensor) -> torch.Tensor:
     # upper tail (rare tokens winning) is decided.
     f = x.to(torch.float32).mul_(-(2.0**-32)).clamp_(-(1.0 - 2.0**-24), -(2.0**-33))
     return f.log1p_().neg_().log_().neg_()
+
+
+def _greedy(work: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax; fp32 rows on a CPU go through our vectorized op (the same answer as torch's)."""
+    if work.device.type == "cpu" and work.dtype == torch.float32 and work.stride(-1) == 1 and cpu_ops.available():
+        return cpu_ops.argmax(work)
+    return work.argmax(-1)
 
 
 def _gumbel_argmax(
@@ -218,8 +226,10 @@ class Sampler:
         seqs: list[Sequence],
         grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
         metadata: SamplingMetadata | None = None,
+        in_place: bool = False,
     ) -> SamplerOutput:
-        """`logits` is left unmodified; penalties and masks work on a copy. `grammar_bitmask` is
+        """`logits` is left unmodified and penalties and masks work on a copy, unless `in_place` (the engine's
+        logits of one step, used once): then they go into `logits`, raw logprobs taken first. `grammar_bitmask` is
         (bitmask [B, ceil(V/32)] int32, rows [R]): the structured-output rows and their masks (a set bit
         allows a token); the other rows of the bitmask are ignored. `metadata` holds `seqs`' parameters
         and token ids as arrays (the engine passes the input batch's); without it they are read from `seqs`."""
@@ -227,29 +237,34 @@ class Sampler:
         num_rows = len(seqs)
         vocab = min(self.vocab_size, logits.shape[1])
 
-        work = self.penalize(logits[:, :vocab], seqs, md)
+        raw = self._raw_logprobs(logits, md)
+        pristine = logits[:, :vocab]  # where a grammar row whose allowed tokens min_tokens masked starts again
+        if in_place and grammar_bitmask is not None:
+            pristine = pristine.clone()
+        work = self.penalize(logits[:, :vocab], seqs, md, in_place)
         if grammar_bitmask is not None:
-            work = self._apply_grammar(logits[:, :vocab], work, *grammar_bitmask)
+            work = self._apply_grammar(pristine, work, *grammar_bitmask)
         is_sampled = md.temperature >= _MIN_TEMPERATURE
         sampled = np.nonzero(is_sampled)[0]
         if not sampled.size:
-            token_ids = work.argmax(-1)
+            token_ids = _greedy(work)
         else:
             token_ids = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
             if len(sampled) < num_rows:
                 g = _rows(np.nonzero(~is_sampled)[0], num_rows, logits.device)
-                token_ids[g] = work[g].argmax(-1)
+                token_ids[g] = _greedy(work[g])
             s = _rows(sampled, num_rows, logits.device)
             token_ids[s] = self._sample(work[s], md.select(sampled))
-        return self._logprobs(logits, token_ids, md, SamplerOutput(token_ids, None, None, None))
+        return self._logprobs(raw, token_ids, md, SamplerOutput(token_ids, None, None, None))
 
     # -- logits processors (before temperature) -------------------------------------------------------
 
     def penalize(
-        self, work: torch.Tensor, seqs: list[Sequence], metadata: SamplingMetadata | None = None
+        self, work: torch.Tensor, seqs: list[Sequence], metadata: SamplingMetadata | None = None, in_place=False
     ) -> torch.Tensor:
         """Repetition / presence / frequency penalties and the min_tokens mask (greedy rows too, as in
-        vLLM and HF). Returns `work` itself when no row needs either, else a modified copy."""
+        vLLM and HF). Returns `work` itself when no row needs either, else a modified copy (`work` itself,
+        modified, when `in_place`)."""
         md = metadata if metadata is not None else SamplingMetadata.from_seqs(seqs)
         vocab = work.shape[1]
         penalized = np.nonzero(
@@ -262,7 +277,8 @@ class Sampler:
             masked_ids.extend(ids)
         if not (penalized.size or masked_rows):
             return work
-        work = work.clone()
+        if not in_place:
+            work = work.clone()
         if penalized.size:
             self._apply_penalties_(work, penalized, md)
         if masked_rows:
@@ -442,13 +458,19 @@ class Sampler:
 
     # -- logprobs -------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _raw_logprobs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor | None:
+        """Log-softmax of the model's logits, before any penalty or mask (vLLM's raw_logprobs), if a row asks."""
+        if not (md.logprobs >= 0).any():
+            return None
+        return torch.log_softmax(logits.to(torch.float32), dim=-1)
+
     def _logprobs(
-        self, logits: torch.Tensor, token_ids: torch.Tensor, md: SamplingMetadata, out: SamplerOutput
+        self, raw: torch.Tensor | None, token_ids: torch.Tensor, md: SamplingMetadata, out: SamplerOutput
     ) -> SamplerOutput:
         asked = md.logprobs[md.logprobs >= 0]
-        if not asked.size:
+        if raw is None or not asked.size:
             return out
-        raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
         out.logprobs = raw.gather(1, token_ids[:, None])[:, 0]
         top_n = int(asked.max())
         if top_n > 0:

@@ -121,6 +121,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch
     return out
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (the first NaN where a row has one), torch.argmax's answer, of fp32 [B, V]."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    with record("argmax"):
+        (_module or load()).argmax_rows(out, logits)
+    return out
+
+
 def llama_forward(
     out: torch.Tensor,  # [T, H]: the final norm's output
     h: torch.Tensor,  # [T, H]: the embeddings, used as scratch

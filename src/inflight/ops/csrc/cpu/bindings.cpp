@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
   m.def("paged_attention", torch::wrap_pybind_function(paged_attention), "paged_attention");
   m.def("linear", torch::wrap_pybind_function(linear), "linear");
+  m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("supports_f32", torch::wrap_pybind_function(supports_f32), "supports_f32");
   m.def("supports_bf16", torch::wrap_pybind_function(supports_bf16), "supports_bf16");
   m.def("amx_for", torch::wrap_pybind_function(amx_for), "amx_for");

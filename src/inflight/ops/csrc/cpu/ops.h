@@ -20,6 +20,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
                      at::Tensor seq_lens, double scale);
 void linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
             int64_t min_macs_per_thread);
+void argmax_rows(at::Tensor out, at::Tensor logits);
 bool supports_f32();
 bool supports_bf16();
 bool amx_for(int64_t K);
