@@ -278,6 +278,11 @@ def test_bench_spec_decode_outputs_are_identical_with_and_without(demo_model_dir
     assert {(r["trace"], r["in_flight"]) for r in rows} == {("grounded", 1), ("grounded", 8), ("free", 1), ("free", 8)}
     for method in ("ngram", "suffix"):
         assert all(r[method]["identical"] and r[method]["tokens"] == r["off"]["tokens"] for r in rows)
+        for r in rows:  # one paired ratio a round, the speedup their median
+            assert len(r[method]["speedups"]) == r["rounds"] == 2 and len(r["off"]["seconds"]) == 2
+            assert min(r[method]["speedups"]) <= r[method]["speedup"] <= max(r[method]["speedups"])
+    assert all(r["off"]["identical_across_rounds"] for r in rows)
+    assert Path(result["plot"]).is_file()
     assert set(result["proposer_ms_per_step"]) == {"ngram@1000", "suffix@1000", "ngram@4000", "suffix@4000"}
 
 

@@ -152,3 +152,26 @@ def peer_bars(rows: list[dict], target: float, path: Path) -> Path:
 
 def _share(x: float | None) -> str:
     return "—" if x is None else f"{x:.0%}"
+
+
+def spec_decode_rounds(rows: list[dict], targets: dict[str, float], path: Path) -> Path:
+    """Speculative decoding per cell: each round's paired speedup (dots), the median (bar), the target (tick)."""
+    cells = [f"{r['trace']}@{r['in_flight']}" for r in rows]
+    methods = [m for m in rows[0] if isinstance(rows[0][m], dict) and "speedups" in rows[0][m]]
+    fig, ax = plt.subplots(figsize=SIZE)
+    width = 0.8 / max(1, len(methods))
+    for j, method in enumerate(methods):
+        xs = np.arange(len(rows)) + (j - (len(methods) - 1) / 2) * width
+        medians = [r[method]["speedup"] for r in rows]
+        ax.bar(xs, medians, width * 0.9, label=f"{method} (median)", alpha=0.6)
+        for x, r in zip(xs, rows):
+            ax.scatter([x] * len(r[method]["speedups"]), r[method]["speedups"], s=10, color="black", zorder=3)
+    for i, cell in enumerate(cells):
+        if cell in targets:
+            ax.hlines(targets[cell], i - 0.45, i + 0.45, colors="tab:red", linestyles="--")
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(cells)), cells)
+    ax.set_ylabel("speedup over speculation off")
+    ax.set_title("Speculative decoding: each round's paired ratio, median, target (red)")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
