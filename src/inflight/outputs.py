@@ -45,10 +45,10 @@ class CompletionOutput:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
-    stop_reason: int | str | None = None  # as RequestOutput's
     cumulative_logprob: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: int | str | None = None  # as RequestOutput's
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -427,7 +427,7 @@ class LLMEngine:
             error = f"structured_outputs.{kind} matches nothing: no token may follow {n} output tokens"
             return self._finish_output(seq, [], error=error)
         error = f"internal error: the grammar rejected token {tok}"
-        return self._finish_output(seq, [tok], error=error, error_kind="internal")
+        return self._finish_output(seq, [], error=error, error_kind="internal")  # no text, no stop string, for it
 
     def _is_stop_token(self, seq: Sequence, tok: int) -> bool:
         p = seq.sampling_params
