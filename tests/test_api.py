@@ -95,6 +95,7 @@ def test_max_tokens_and_min_tokens(llm):
     stop_tok = greedy.token_ids[2]
     stopped = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_tok]))[0]
     assert stopped.token_ids == greedy.token_ids[:3] and stopped.finish_reason == "stop"
+    assert stopped.stop_reason == stop_tok and greedy.stop_reason is None  # vLLM's stop_reason
     held = llm.generate(
         PROMPTS[0], SamplingParams(temperature=0, max_tokens=8, min_tokens=5, stop_token_ids=[stop_tok])
     )[0]
@@ -115,7 +116,7 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(llm):
             final = out
     streamed = "".join(deltas)
     assert streamed == text[: text.index(stop)]
-    assert stop not in streamed and final.finish_reason == "stop"
+    assert stop not in streamed and final.finish_reason == "stop" and final.stop_reason == stop
 
 
 def test_stop_string_straddling_the_min_tokens_boundary_stops(llm):

@@ -1,5 +1,6 @@
 """The engine core process and its wire format: messages round-trip, and a core process gives the same
-tokens as the in-process engine (greedy), takes aborts, and answers bad requests with an error output."""
+tokens as the in-process engine (greedy), leaves text and stop strings to the front's output processor, takes
+aborts, and answers bad requests with an error output."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from inflight.engine.core import CoreSpec
 from inflight.engine.core_client import CoreClient
 from inflight.engine.engine import LLMEngine
 from inflight.engine.stats import EngineSnapshot, StepStats
+from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import SamplingParams
+from inflight.text.output_processor import RequestState, process_outputs
 
 CONFIG = EngineConfig(max_num_seqs=4, num_kv_blocks=64, max_model_len=256)
 
@@ -29,7 +32,7 @@ def test_step_outputs_round_trip():
         "r1",
         [1, 2],
         [7],
-        "hi",
+        "",  # the core sends no text
         True,
         "stop",
         [TokenLogprob(7, -0.5, {7: -0.5, 9: -1.25})],
@@ -38,6 +41,7 @@ def test_step_outputs_round_trip():
         None,
         "invalid",
         16,
+        7,
     )
     stats = StepStats(1.0, 1, 0, 1, 1, 0, 1, 2, 64, 0, 0.0, 0.01, 0.005, 4)
     snap = EngineSnapshot(5, 2, 3, 0, 1, 0, 2, 62, 4, stats, 0, 2, 0)
@@ -77,24 +81,70 @@ def _run(core: CoreClient, until: set[str], timeout_s: float = 60) -> dict[str, 
     return outputs
 
 
+def _in_process(model_dir, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[RequestOutput]]:
+    engine = LLMEngine(model_dir, CONFIG)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    outputs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def _front(core, prompts, params, got: dict[str, list[wire.Output]]) -> tuple[dict[str, list[RequestOutput]], set]:
+    """What the front makes of the core's outputs: the output processor over each request's step messages."""
+    tokenizer = load_tokenizer(core.spec.model_dir)
+    texts, aborted = {}, set()
+    for rid, outs in got.items():
+        state = RequestState(tokenizer, prompts[rid], params)
+        for out in outs:
+            if state.stopped:
+                break  # the front drops what the core made after a stop string
+            processed = process_outputs([state], [out.to_request_output(prompts[rid])])
+            texts.setdefault(rid, []).extend(processed.request_outputs)
+            aborted.update(processed.reqs_to_abort)
+    return texts, aborted
+
+
 def test_core_process_matches_the_in_process_engine(core, demo_model_dir):
     prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7], "c": [9, 10, 11, 12, 13, 14]}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
-    engine = LLMEngine(demo_model_dir, CONFIG)
     for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
         core.add(wire.AddRequest.make(rid, ids, params, time.monotonic()))
-    want: dict[str, list[RequestOutput]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            want.setdefault(out.request_id, []).append(out)
+    want = _in_process(demo_model_dir, prompts, params)
     got = _run(core, set(prompts))
+    front, _ = _front(core, prompts, params, got)
     for rid in prompts:
         tokens = [t for o in got[rid] for t in o.new_token_ids]
         assert tokens == [t for o in want[rid] for t in o.new_token_ids]
-        assert "".join(o.new_text for o in got[rid]) == "".join(o.new_text for o in want[rid])
+        assert "".join(o.new_text for o in front[rid]) == "".join(o.new_text for o in want[rid])
         assert got[rid][-1].finish_reason == "length" and got[rid][-1].num_output_tokens == 24
         assert got[rid][-1].cumulative_logprob == pytest.approx(want[rid][-1].cumulative_logprob)
+
+
+def test_core_outputs_token_ids_only_and_leaves_stop_strings_to_the_front(core, demo_model_dir):
+    # The core's engine does not detokenize: a stop string the in-process engine stops at, the core runs past
+    # (to max_tokens); the front's output processor cuts the text, tokens and logprobs there and aborts it.
+    prompts = {"s": [3, 1, 4, 1, 5, 9, 2, 6]}
+    full = _in_process(demo_model_dir, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    text = "".join(o.new_text for o in full["s"])
+    stop = text[len(text) // 3 :][:4]
+    assert stop.strip(), text
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1, stop=[stop])
+    want = _in_process(demo_model_dir, prompts, params)
+    assert want["s"][-1].finish_reason == "stop" and want["s"][-1].num_output_tokens < 24
+    core.add(wire.AddRequest.make("s", prompts["s"], params, time.monotonic()))
+    got = _run(core, {"s"})
+    assert [t for o in got["s"] for t in o.new_token_ids] == [t for o in full["s"] for t in o.new_token_ids]
+    assert got["s"][-1].finish_reason == "length" and not any(hasattr(o, "new_text") for o in got["s"])
+    front, aborted = _front(core, prompts, params, got)
+    assert aborted == {"s"}
+    for field in ("new_text", "new_token_ids", "new_logprobs"):
+        assert [getattr(o, field) for o in front["s"]] == [getattr(o, field) for o in want["s"]], field
+    last, expected = front["s"][-1], want["s"][-1]
+    assert (last.finish_reason, last.stop_reason, last.num_output_tokens) == ("stop", stop, expected.num_output_tokens)
+    assert last.cumulative_logprob == expected.cumulative_logprob and expected.stop_reason == stop
 
 
 def test_core_aborts_and_rejects(core):

@@ -19,6 +19,7 @@ from inflight.engine.spec_decode.ngram import NgramProposer
 from inflight.engine.spec_decode.suffix import SuffixProposer
 from inflight.llm import LLM
 from inflight.sampling_params import SamplingParams
+from inflight.text.output_processor import RequestState, process_outputs
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 SUFFIX = {"method": "suffix", "num_speculative_tokens": 4}
@@ -564,3 +565,55 @@ def test_triton_metrics_export_the_counters(demo_model_dir):
     assert fam["vllm:spec_decode_num_accepted_tokens_total"].metrics[0].value == 4
     per_pos = fam["vllm:spec_decode_num_accepted_tokens_per_pos_total"].metrics
     assert [(m.labels["position"], m.value) for m in per_pos] == [("0", 3), ("1", 1), ("2", 0), ("3", 0)]
+
+
+def _front_run(model_dir, prompts, params, spec, proposer):
+    """As the served path: an engine that does not detokenize (the core's) and the output processor over its
+    outputs (the front's), which aborts a request a stop string ended. Per prompt: (tokens, text, finish), and
+    how many tokens the processor cut from outputs that carried tokens after a stop string."""
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", num_kv_blocks=256, speculative_config=spec), False)
+    engine.spec_decoder.proposer = proposer
+    states = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+        states[str(i)] = RequestState(engine.tokenizer, prompt, params)
+    results = {rid: ([], [], None) for rid in states}
+    num_cut = 0
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if not states[o.request_id].stopped]
+        processed = process_outputs([states[o.request_id] for o in outs], outs)
+        for raw, out in zip(outs, processed.request_outputs):
+            tokens, texts, _ = results[out.request_id]
+            tokens += out.new_token_ids
+            texts.append(out.new_text)
+            results[out.request_id] = (tokens, texts, out.finish_reason if out.finished else None)
+            num_cut += len(raw.new_token_ids) - len(out.new_token_ids)
+        for rid in processed.reqs_to_abort:
+            engine.abort_request(rid)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return [(t, "".join(x), f) for t, x, f in results.values()], num_cut
+
+
+def test_stop_strings_cut_inside_an_accepted_run_in_the_engine_and_in_the_front(demo_model_dir):
+    # Drafts accepted past the token that completes a stop string: the in-process engine stops at that token,
+    # and the front's output processor cuts the core's output (text and token ids) at the same one.
+    base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    llm = LLM(demo_model_dir, dtype="float32", num_kv_blocks=256)
+    ref = llm.generate(PROMPTS, base, use_tqdm=False)
+    text = ref[0].text
+    ends = [len(llm.tokenizer.decode(ref[0].token_ids[: i + 1])) for i in range(30)]
+    stop = text[ends[10] - 2 : ends[12]]  # ends in token 12, in the middle of an accepted run
+    assert stop.strip() and text.find(stop) == ends[10] - 2, text
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop])
+    want = [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert want[0] == (ref[0].token_ids[:13], text[: ends[10] - 2], "stop")
+    oracle = OracleProposer(8, {tuple(p): r.token_ids for p, r in zip(PROMPTS, ref)}, wrong_every=100)
+    spec = dict(NGRAM, num_speculative_tokens=8)
+    in_engine = LLM(demo_model_dir, dtype="float32", num_kv_blocks=256, speculative_config=spec)
+    in_engine.engine.spec_decoder.proposer = oracle
+    got = in_engine.generate(PROMPTS, params, use_tqdm=False)
+    assert [(o.token_ids, o.text, o.finish_reason) for o in got] == want
+    assert in_engine.engine.spec_decode_counters["spec_decode_num_accepted_tokens"] > 0
+    front, num_cut = _front_run(demo_model_dir, PROMPTS, params, spec, oracle)
+    assert front == want
+    assert num_cut > 0  # the core's output carried tokens after the stop string

@@ -88,6 +88,7 @@ class _Accumulator:
         self.text: list[str] = []
         self.logprobs: list | None = None
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
         self.cumulative_logprob = 0.0
         self.num_cached_tokens = 0
 
@@ -101,6 +102,7 @@ class _Accumulator:
         self.num_cached_tokens = out.num_cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
 
     def result(self) -> CompletionOutput:
         return CompletionOutput(
@@ -110,6 +112,7 @@ class _Accumulator:
             text="".join(self.text),
             finish_reason=self.finish_reason,
             logprobs=self.logprobs,
+            stop_reason=self.stop_reason,
             cumulative_logprob=self.cumulative_logprob,
             num_cached_tokens=self.num_cached_tokens,
         )

@@ -31,6 +31,8 @@ class RequestOutput:
     error: str | None = None
     error_kind: str = "invalid"  # "invalid": the request's own input; "internal": the engine failed on it
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # vLLM's: the stop string, or the stop token's id (EOS too, where vLLM gives None), that ended it.
+    stop_reason: int | str | None = None
 
 
 @dataclass
@@ -46,6 +48,7 @@ class CompletionOutput:
     cumulative_logprob: float = 0.0
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+    stop_reason: int | str | None = None  # as RequestOutput's
 
 
 def merge_outputs(first: RequestOutput, later: RequestOutput) -> RequestOutput:

@@ -122,6 +122,28 @@ def test_cancellation_is_seen_within_the_interval(loop):
     assert kv_freed(loop)
 
 
+def test_a_stop_string_ends_the_stream_in_the_front_and_aborts_the_request_in_the_core(loop):
+    # The core does not look for stop strings: the front finds one, ends the stream there and aborts the
+    # request in the core, which gives its KV blocks back instead of running on to max_tokens.
+    full = submit(loop, "The model runs fast", max_tokens=64, ignore_eos=True)
+    assert full.done.wait(30) and full.error is None
+    stop = full.text[len(full.text) // 4 :][:3]
+    assert stop.strip(), full.text
+    assert kv_freed(loop)
+    before = loop.snapshot.generation_tokens
+    rec = submit(loop, "The model runs fast", max_tokens=240, ignore_eos=True, stop=[stop])
+    assert rec.done.wait(30) and rec.error is None
+    last = rec.outputs[-1]
+    assert rec.text == full.text[: full.text.index(stop)] and stop not in rec.text
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    tokens = [t for o in rec.outputs for t in o.new_token_ids]
+    assert tokens == [t for o in full.outputs for t in o.new_token_ids][: len(tokens)]
+    assert last.num_output_tokens == len(tokens) < 64
+    assert _wait(lambda: loop.snapshot.generation_tokens - before >= len(tokens)) and kv_freed(loop)
+    generated = loop.snapshot.generation_tokens - before
+    assert generated < 240, "the core ran on after the stop string"
+
+
 class FailingFinalSend(Recorder):
     """A client whose final response cannot be sent (the sender raised)."""
 

@@ -3,8 +3,9 @@
 Started by `core_client.CoreClient` (spawn). The loop takes what the front sent (new requests, aborts) —
 without waiting while there is work, blocking when idle — runs one `engine.step()`, and sends ONE
 message with every request's outputs of that step (and the engine snapshot at most every
-SNAPSHOT_INTERVAL_S, and once more when the engine goes idle). Detokenization and stop strings stay in
-the engine (moving them to the front is vLLM's next step, not taken yet). A step that fails fails the
+SNAPSHOT_INTERVAL_S, and once more when the engine goes idle). The engine runs with `detokenize=False`:
+its outputs are token ids (with logprobs and the finishes max_tokens, EOS, stop tokens and grammars make);
+text and stop strings are the front's, which aborts a request a stop string ended. A step that fails fails the
 requests in flight; an engine that cannot recover says `Broken` and answers every later request with
 an error. The core exits when its parent (Triton's stub) goes away: it checks its parent pid every iteration and
 while it waits (PR_SET_PDEATHSIG would fire when the *thread* that started it ends, and a restart starts
@@ -76,7 +77,7 @@ class EngineCore:
         torch.set_num_threads(spec.num_threads or len(os.sched_getaffinity(0)))
         module, _, name = spec.engine_class.partition(":")
         engine_cls = getattr(importlib.import_module(module), name)
-        self.engine = engine_cls(spec.model_dir, spec.config)
+        self.engine = engine_cls(spec.model_dir, spec.config, detokenize=False)  # the front detokenizes
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.encoder = msgspec.msgpack.Encoder()

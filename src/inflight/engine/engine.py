@@ -1,6 +1,8 @@
 """LLMEngine: requests in, per-step deltas out. Owned by one thread; nothing else touches its state.
 
-step() = schedule → forward → sample → append → detokenize → finish/free → outputs + stats.
+step() = schedule → forward → sample → append → finish/free → detokenize → outputs + stats. Detokenization and
+stop strings are the output processor's (inflight.text.output_processor): an engine built with
+`detokenize=False` (the engine core process's) outputs token ids only and leaves them to the front.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from inflight.models.loader import load_model, load_tokenizer
 from inflight.ops import dtype_probe
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError, SamplingParams
-from inflight.text.detokenizer import IncrementalDetokenizer, detokenize_batch
+from inflight.text.output_processor import RequestState, process_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -42,9 +44,13 @@ def bf16_probe(cfg: ModelConfig) -> Callable[[], float | None]:
 
 
 class LLMEngine:
-    def __init__(self, model_dir: str | Path | None = None, config: EngineConfig | None = None) -> None:
+    def __init__(
+        self, model_dir: str | Path | None = None, config: EngineConfig | None = None, detokenize: bool = True
+    ) -> None:
         """`model_dir`: an HF checkpoint directory, a GGUF file (or a directory holding one), "demo", or None
-        for the default model (SmolLM2-135M-Instruct, inflight.model_source)."""
+        for the default model (SmolLM2-135M-Instruct, inflight.model_source). `detokenize=False`: outputs carry
+        token ids only and stop strings are not looked for (whoever reads the outputs runs the output
+        processor, and aborts a request that a stop string ended)."""
         self.config = config = config or EngineConfig()
         self.device = torch.device(config.device)
         with config_errors():
@@ -93,7 +99,8 @@ class LLMEngine:
         )
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
-        self._detoks: dict[str, IncrementalDetokenizer] = {}
+        # Per request, the output processor's state; None: the outputs' reader detokenizes (the front).
+        self._request_states: dict[str, RequestState] | None = {} if detokenize else None
         self._aborted: list[Sequence] = []
         self.last_step_stats: StepStats | None = None
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "preemptions": 0, "steps": 0}
@@ -142,17 +149,17 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
         )
-        detok = IncrementalDetokenizer(
-            self.tokenizer, token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
-        )
         self._seqs[request_id] = seq
-        self._detoks[request_id] = detok
+        if self._request_states is not None:
+            self._request_states[request_id] = RequestState(self.tokenizer, token_ids, params)
         try:
             if params.structured_outputs is not None:
                 self.structured_outputs.add(seq)  # compiles in the background; admitted once ready
             self.scheduler.add(seq)
         except BaseException:  # half-registered would be a request nobody finishes
-            del self._seqs[request_id], self._detoks[request_id]
+            del self._seqs[request_id]
+            if self._request_states is not None:
+                del self._request_states[request_id]
             seq.status = SequenceStatus.FINISHED  # a pending grammar compile then forgets it
             raise
         self.counters["prompt_tokens"] += len(token_ids)
@@ -243,11 +250,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        outputs = [self._finish_output(seq, "", []) for seq in self._aborted]
+        outputs = [self._finish_output(seq, []) for seq in self._aborted]
         self._aborted.clear()
         for seq, error in self.structured_outputs.take_failed():
             self.scheduler.finish(seq, FinishReason.ABORT)
-            outputs.append(self._finish_output(seq, "", [], error=error))
+            outputs.append(self._finish_output(seq, [], error=error))
+        outputs = self._process_text(outputs)
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
@@ -278,10 +286,12 @@ class LLMEngine:
                 outputs += self._process_samples(sampling, sampled)
             else:
                 outputs += self._process_verified(part, result, sampling, sampled)
+        failures = []
         for seq, error in failed:
             self.scheduler.finish(seq, FinishReason.ABORT)
             message = f"the engine failed while running this request: {error!r}"
-            outputs.append(self._finish_output(seq, "", [], error=message, error_kind="internal"))
+            failures.append(self._finish_output(seq, [], error=message, error_kind="internal"))
+        outputs += self._process_text(failures)
         forward_time = sum(result.forward_time_s for _, result, _, _ in parts)
         self._record_stats(sched, num_running, num_decode, t0, forward_time)
         if self.kv_events is not None:
@@ -366,46 +376,48 @@ class LLMEngine:
         else:
             tokens = sampled.token_ids.tolist()
             logprobs = self._logprobs(seqs, sampled)
-        # vLLM's rules: a stop token's text is not output (unless include_stop_str_in_output), and a stop
-        # string must end in the text of a token after the first min_tokens (it may begin in theirs).
-        stop_tok = [self._is_stop_token(seq, tok) for seq, tok in zip(seqs, tokens)]
-        feed = [
-            [] if st and not seq.sampling_params.include_stop_str_in_output else [tok]
-            for seq, tok, st in zip(seqs, tokens, stop_tok)
-        ]
-        check = [len(seq.output_token_ids) + 1 > seq.sampling_params.min_tokens for seq in seqs]
-        deltas = detokenize_batch([self._detoks[s.request_id] for s in seqs], feed, check)
         outputs = []
-        for i, (seq, tok, (text, stop_hit)) in enumerate(zip(seqs, tokens, deltas)):
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            stop_token = self._is_stop_token(seq, tok)
             seq.output_token_ids.append(tok)
             if seq.structured is not None and not self.structured_outputs.accept(seq, tok):
                 outputs.append(self._grammar_rejected(seq, tok))
                 continue
             if seq.structured is not None and (error := self.structured_outputs.over_budget(seq)) is not None:
                 self.scheduler.finish(seq, FinishReason.ABORT)  # its grammar would stall every other request
-                outputs.append(self._finish_output(seq, "", [], error=error))
+                outputs.append(self._finish_output(seq, [], error=error))
                 continue
             new_lp = None
             if logprobs is not None and logprobs[i] is not None:
                 new_lp = [logprobs[i]]
                 seq.cumulative_logprob += logprobs[i].logprob
-            if stop_hit or stop_tok[i] or self.structured_outputs.is_terminated(seq):  # grammar took a stop token
+            if stop_token or self.structured_outputs.is_terminated(seq):  # grammar took a stop token
                 reason = FinishReason.STOP
             elif len(seq.output_token_ids) >= seq.sampling_params.max_tokens or seq.num_tokens >= self.max_model_len:
                 reason = FinishReason.LENGTH
             else:
-                outputs.append(self._output(seq, text, [tok], new_lp, finished=False))
+                outputs.append(self._output(seq, [tok], new_lp, finished=False))
                 continue
-            if not stop_hit:
-                past_min = len(seq.output_token_ids) > seq.sampling_params.min_tokens
-                rest, stop_hit = self._detoks[seq.request_id].flush(check_stop=past_min)
-                text += rest
-                if stop_hit:  # the held-back text completed a stop string after all
-                    reason = FinishReason.STOP
             self.scheduler.finish(seq, reason)
-            outputs.append(self._finish_output(seq, text, [tok], new_lp))
+            outputs.append(self._finish_output(seq, [tok], new_lp, stop_reason=tok if stop_token else None))
         self.counters["generation_tokens"] += len(tokens)
-        return outputs
+        return self._process_text(outputs)
+
+    def _process_text(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs with their text, when this engine detokenizes: a request a stop string ended finishes
+        here, so the next round of a verifying step, or the next step, has no token for it."""
+        states = self._request_states
+        if states is None or not outputs:
+            return outputs
+        processed = process_outputs([states[out.request_id] for out in outputs], outputs)
+        for request_id in processed.reqs_to_abort:
+            seq = self._seqs[request_id]
+            self.scheduler.finish(seq, FinishReason.STOP)
+            self._release(seq)
+        for out in processed.request_outputs:
+            if out.finished:
+                del states[out.request_id]
+        return processed.request_outputs
 
     def _grammar_rejected(self, seq: Sequence, tok: int) -> RequestOutput:
         """The grammar refused the sampled token: it allowed none (the user's grammar matches nothing), or the
@@ -414,9 +426,9 @@ class LLMEngine:
         if self.structured_outputs.allows_no_token(seq):
             kind, n = seq.sampling_params.structured_outputs.kind, len(seq.output_token_ids) - 1
             error = f"structured_outputs.{kind} matches nothing: no token may follow {n} output tokens"
-            return self._finish_output(seq, "", [], error=error)
+            return self._finish_output(seq, [], error=error)
         error = f"internal error: the grammar rejected token {tok}"
-        return self._finish_output(seq, "", [tok], error=error, error_kind="internal")
+        return self._finish_output(seq, [], error=error, error_kind="internal")  # no text, no stop string, for it
 
     def _is_stop_token(self, seq: Sequence, tok: int) -> bool:
         p = seq.sampling_params
@@ -440,12 +452,14 @@ class LLMEngine:
             out.append(TokenLogprob(token_id=int(sampled.token_ids[i]), logprob=lps[i], top=top))
         return out
 
-    def _output(self, seq, text, new_tokens, new_lp, finished, error=None, error_kind="invalid") -> RequestOutput:
+    def _output(
+        self, seq, new_tokens, new_lp, finished, error=None, error_kind="invalid", stop_reason=None
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
             new_token_ids=new_tokens,
-            new_text=text,
+            new_text="",
             finished=finished,
             finish_reason=seq.finish_reason.value if finished and seq.finish_reason else None,
             new_logprobs=new_lp,
@@ -454,23 +468,27 @@ class LLMEngine:
             error=error,
             error_kind=error_kind,
             num_cached_tokens=seq.num_cached_tokens or 0,
+            stop_reason=stop_reason,
         )
 
     def _finish_output(
         self,
         seq: Sequence,
-        text: str,
         new_tokens: list[int],
         new_lp=None,
         error: str | None = None,
         error_kind: str = "invalid",
+        stop_reason: int | None = None,
     ) -> RequestOutput:
+        self._release(seq)
+        return self._output(seq, new_tokens, new_lp, True, error, error_kind, stop_reason)
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished sequence leaves the engine (its blocks went back in scheduler.finish)."""
         del self._seqs[seq.request_id]
         if self.spec_decoder is not None:
             self.spec_decoder.finish(seq)
-        self._detoks.pop(seq.request_id, None)
         seq.structured = None  # the matcher goes with the request
-        return self._output(seq, text, new_tokens, new_lp, finished=True, error=error, error_kind=error_kind)
 
     def _record_stats(
         self, sched, num_running: int, num_decode: tuple[int, int], t0: float, forward_time: float

@@ -48,11 +48,11 @@ class Logprob(msgspec.Struct, array_like=True):
 
 
 class Output(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One request's RequestOutput of one step, without its prompt (the front has it)."""
+    """One request's RequestOutput of one step, without its prompt (the front has it) and without text (the core
+    does not detokenize: the front's output processor does)."""
 
     request_id: str
     new_token_ids: list[int]
-    new_text: str = ""
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None
@@ -61,6 +61,7 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0
     error: str | None = None
     error_kind: str = "invalid"  # "invalid" | "internal" | "unavailable"
+    stop_reason: int | None = None  # the stop token that ended it (stop strings are the front's)
 
     @classmethod
     def of(cls, out: RequestOutput) -> Output:
@@ -70,7 +71,6 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
         return cls(
             out.request_id,
             out.new_token_ids,
-            out.new_text,
             out.finished,
             out.finish_reason,
             logprobs,
@@ -79,6 +79,7 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
             out.num_cached_tokens,
             out.error,
             out.error_kind,
+            out.stop_reason,
         )
 
     @classmethod
@@ -93,7 +94,7 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
             request_id=self.request_id,
             prompt_token_ids=prompt_token_ids,
             new_token_ids=self.new_token_ids,
-            new_text=self.new_text,
+            new_text="",
             finished=self.finished,
             finish_reason=self.finish_reason,
             new_logprobs=logprobs,
@@ -102,6 +103,7 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
             error=self.error,
             error_kind=self.error_kind,
             num_cached_tokens=self.num_cached_tokens,
+            stop_reason=self.stop_reason,
         )
 
 

@@ -2,7 +2,9 @@
 
 The engine runs in its own process (`inflight.engine.core`, started through `CoreClient`); this process
 holds no engine. `submit()` (any thread) registers a request's client and sends it to the core. One
-responder thread does all the talking: it takes the core's step messages, turns outputs into responses
+responder thread does all the talking: it takes the core's step messages (token ids), runs the output
+processor on them (text and stop strings: a request a stop string ended finishes here and is aborted in the
+core, and the tokens the core made after the stop never reach its client), turns outputs into responses
 (merging a request's outputs that queued up while it was busy, vLLM's stream_interval idea applied only
 under load), polls cancellation every `cancel_interval_s` and tells the core to abort (which frees the
 blocks as soon as it sees it), and publishes metrics from the core's latest snapshot at most every
@@ -35,6 +37,7 @@ from inflight.engine.stats import EngineSnapshot
 from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, merge_outputs
 from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.text.output_processor import RequestState, process_outputs
 
 log = logging.getLogger("inflight.serving.engine_loop")
 
@@ -70,14 +73,16 @@ class Submission:
 
 
 class _Route:
-    """One request's client; `ended` (responder only): answered finally."""
+    """One request's client and its text (the output processor's state, responder only); `ended` (responder
+    only): answered finally."""
 
-    __slots__ = ("client", "ended", "prompt_token_ids", "request_id")
+    __slots__ = ("client", "ended", "prompt_token_ids", "request_id", "state")
 
-    def __init__(self, request_id: str, client: Client, prompt_token_ids: list[int]) -> None:
+    def __init__(self, request_id: str, client: Client, prompt_token_ids: list[int], state: RequestState) -> None:
         self.request_id = request_id
         self.client = client
         self.prompt_token_ids = prompt_token_ids
+        self.state = state
         self.ended = False
 
 
@@ -110,7 +115,7 @@ class EngineLoop:
         is called once when the engine cannot serve again; `on_core_start(ready)` after each (re)start.
         All three from the responder thread (the first start's from start())."""
         self.spec = spec
-        self.tokenizer = load_tokenizer(spec.model_dir)  # the front tokenizes; the core only computes
+        self.tokenizer = load_tokenizer(spec.model_dir)  # the front tokenizes and detokenizes; the core computes
         self._on_iteration = on_iteration
         self._on_broken = on_broken
         self._on_core_start = on_core_start
@@ -163,10 +168,11 @@ class EngineLoop:
         except InvalidRequestError as e:
             _safe(sub.client.on_error, ErrorKind.INVALID, str(e))
             return
+        route = _Route(sub.request_id, sub.client, prompt, RequestState(self.tokenizer, prompt, sub.params))
         with self._lock:
             reason = self._refusal()
             if reason is None:
-                self._active[sub.request_id] = _Route(sub.request_id, sub.client, prompt)
+                self._active[sub.request_id] = route
                 self._core.add(wire.AddRequest.make(sub.request_id, prompt, sub.params, sub.arrival_time, sub.priority))
         if reason is not None:
             _safe(sub.client.on_error, ErrorKind.UNAVAILABLE, reason)
@@ -323,19 +329,39 @@ class EngineLoop:
                     self._snapshot = self._rebase(message.snapshot)
                     if _idle(self._snapshot) != _idle(self._published):  # work began or ended: publish now
                         self._publish()
-                for out in message.outputs:
-                    route = self._active.get(out.request_id)
-                    if route is None:  # cancelled or failed earlier
-                        continue
-                    if out.finished:
-                        with self._lock:
-                            self._active.pop(out.request_id, None)
-                    if out.error is not None:
-                        items.append((route, (_CORE_ERROR_KINDS.get(out.error_kind, ErrorKind.INTERNAL), out.error)))
-                    else:
-                        items.append((route, out.to_request_output(route.prompt_token_ids)))
+                items += self._process(message.outputs)
             elif isinstance(message, wire.Broken):
                 self._set_broken(message.reason)
+        return items
+
+    def _process(self, outputs: list[wire.Output]) -> list[tuple[_Route, RequestOutput | tuple[ErrorKind, str]]]:
+        """One step's outputs through the output processor; a request it finished (a stop string) the core
+        aborts, which frees its blocks. Outputs of requests that ended earlier (cancelled, failed, stopped) go."""
+        live = [(route, out) for out in outputs if (route := self._active.get(out.request_id)) is not None]
+        if not live:
+            return []
+        routes = [route for route, _ in live]
+        outs = [out.to_request_output(route.prompt_token_ids) for route, out in live]
+        try:
+            processed = process_outputs([route.state for route in routes], outs)
+        except Exception as e:  # a bug in the text work fails these requests, not the responder
+            log.error("detokenizing failed:\n%s", traceback.format_exc())
+            with self._lock:
+                for route in routes:
+                    self._active.pop(route.request_id, None)
+                self._core.abort([out.request_id for out in outs if not out.finished])
+            return [(route, (ErrorKind.INTERNAL, f"detokenizing failed: {e!r}")) for route in routes]
+        items = []
+        with self._lock:
+            for out in processed.request_outputs:
+                if out.finished:
+                    self._active.pop(out.request_id, None)
+            self._core.abort(processed.reqs_to_abort)
+        for route, out in zip(routes, processed.request_outputs):
+            if out.error is not None:
+                items.append((route, (_CORE_ERROR_KINDS.get(out.error_kind, ErrorKind.INTERNAL), out.error)))
+            else:
+                items.append((route, out))
         return items
 
     def _fail_items(self, items: list) -> None:

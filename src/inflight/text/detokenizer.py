@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         # How many leading characters of _pending came before stop strings were checked (min_tokens): a
         # stop string may begin in them but must end after them, as in vLLM.
         self._unchecked = 0
-        self._stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the text, once one did
 
     @property
     def output_text(self) -> str:
@@ -69,13 +69,13 @@ class IncrementalDetokenizer:
 
     @property
     def stopped(self) -> bool:
-        return self._stopped
+        return self.stop_string is not None
 
     def update(self, new_token_ids: list[int], check_stop: bool = True) -> tuple[str, bool]:
         """Append tokens; return (text delta safe to emit now, stop_string_hit). With `check_stop`
         False (within min_tokens) no stop string may end in the new text, but the text is still held
         back, since a stop string that ends later may begin in it."""
-        if self._stopped:
+        if self.stopped:
             return "", True
         self._push(new_token_ids)
         if self._prefix_text is None:
@@ -86,7 +86,7 @@ class IncrementalDetokenizer:
         """The request finished for another reason (length, eos, abort): release any held-back text.
         Returns (text, stop_string_hit): the released text may still complete a stop string (only with
         `check_stop`, i.e. past min_tokens)."""
-        if self._stopped:
+        if self.stopped:
             return "", True
         if self._read < len(self._window):
             if self._prefix_text is None:
@@ -144,13 +144,13 @@ class IncrementalDetokenizer:
             if check_stop:
                 # Emitted text never ends inside a stop string's possible start, so a stop string can
                 # only begin in the pending text; it must end past the unchecked part.
-                hit, end = -1, -1
+                hit, end, first = -1, -1, None
                 for stop in self.stop:
                     i = pending.find(stop, max(0, self._unchecked - len(stop) + 1))
                     if i >= 0 and (hit < 0 or i < hit):
-                        hit, end = i, i + len(stop)
+                        hit, end, first = i, i + len(stop), stop
                 if hit >= 0:
-                    self._stopped = True
+                    self.stop_string = first
                     self._pending = ""
                     return self._emit(pending[: end if self.include_stop_str_in_output else hit]), True
             held = 0 if final else min(self._max_hold, len(pending))
