@@ -120,10 +120,11 @@ struct Step {
       AttentionArgs<S> a = attn;
       a.k_cache = k_caches[l];
       a.v_cache = v_caches[l];
-      // Claimed a few at a time: rows differ in length, so fixed shares would leave a thread waiting.
-      const int64_t tasks = a.num_tiles * a.splits, chunk = std::max<int64_t>(1, tasks / (8 * nt));
-      for (int64_t t; (t = attn_next[l].fetch_add(chunk, std::memory_order_relaxed)) < tasks;)
-        attention_tasks_any<S>(a, t, std::min(tasks, t + chunk));
+      // Claimed a few at a time from the end: rows differ in length, so fixed shares would leave a thread
+      // waiting, and a prompt's last tiles (the longest contexts) go first, the short ones fill in at the end.
+      const int64_t tasks = a.num_tiles * a.splits, chunk = std::max<int64_t>(1, tasks / (32 * nt));
+      for (int64_t c; (c = attn_next[l].fetch_add(chunk, std::memory_order_relaxed)) < tasks;)
+        attention_tasks_any<S>(a, std::max<int64_t>(0, tasks - c - chunk), tasks - c);
       bar.wait(nt);
       gemm(att, T, lw[5], lw[6], H, Hq * D, x, tid, nt);
       bar.wait(nt);
