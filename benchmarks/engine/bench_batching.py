@@ -338,14 +338,14 @@ def run_peers(args: argparse.Namespace) -> dict[str, Any]:
         "trace": {"spec": asdict(spec), **summarize_trace(trace), "per_model": traces},
         "inflight": {"policy": "continuous+paged", "kv_blocks": kv_blocks, "threads": threads},
         "vllm_unavailable": unavailable,
-        "target_inflight_over_vllm": peers.TARGET,
+        "target_inflight_over_vllm": {r["model"]: r["target"] for r in rows},
         "peers": rows,
         "targets": peers.targets(rows),
         "machine": machine_info(threads) | {"load_avg_1m_before": load_before},
         "elapsed_s": time.time() - started,
     }
     (args.out / "summary.json").write_text(json.dumps(result, indent=2))
-    result["plots"] = [str(plots.peer_bars(rows, peers.TARGET, args.out / "peers.png"))]
+    result["plots"] = [str(plots.peer_bars(rows, args.out / "peers.png"))]
     return result
 
 

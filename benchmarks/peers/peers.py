@@ -24,7 +24,12 @@ from benchmarks.peers.bench_vllm_cpu import trace_info
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_cpu.sh"
-TARGET = 1.25  # inflight ÷ vLLM-CPU, in each dtype
+TARGET = 1.25  # inflight ÷ vLLM-CPU, in each dtype (issue 10's shallow models)
+MODEL_TARGETS = {"smollm2": 1.5}  # issue 28: the lead must hold on a real, deep model too
+
+
+def target_for(model: str) -> float:
+    return MODEL_TARGETS.get(model, TARGET)
 UNAVAILABLE = 3  # vllm_cpu.sh's exit status when vLLM's virtualenv cannot be created
 
 
@@ -153,17 +158,17 @@ def row(model: str, dtype: str, params: int, inflight: dict[str, Any], peer: Pee
         "vllm": vllm,
         "vllm_skipped": peer.skipped,
         "inflight_over_vllm": ratio,
-        "target": TARGET,
-        "met": None if ratio is None else ratio >= TARGET,
+        "target": target_for(model),
+        "met": None if ratio is None else ratio >= target_for(model),
     }
 
 
 def targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """In report.targets' shape, so report.targets_text prints them."""
     return {
-        f"inflight >= {TARGET}x vLLM-CPU, {r['model']} {r['dtype']}": {
+        f"inflight >= {r['target']}x vLLM-CPU, {r['model']} {r['dtype']}": {
             "value": r["inflight_over_vllm"],
-            "target": TARGET,
+            "target": r["target"],
             "met": r["met"],
         }
         for r in rows
@@ -188,7 +193,7 @@ def table(rows: Sequence[dict[str, Any]], markdown: bool = False) -> str:
                 f"{r['inflight']['tokens_per_s']:.0f}",
                 f"{vllm['tokens_per_s']:.0f}" if vllm else "skipped",
                 "—" if ratio is None else f"{ratio:.2f}×" + ("" if r["met"] else " (missed)"),
-                f"≥ {TARGET}×",
+                f"≥ {r['target']}×",
                 others,
             ]
         )

@@ -512,6 +512,8 @@ class LLMEngine:
             forward_time_s=forward_time,
             max_num_seqs=self.config.max_num_seqs,
         )
+        if self.spec_decoder is not None and sched.total_tokens == num_decode[1]:
+            self.spec_decoder.observe_step(sched.total_tokens, self.last_step_stats.step_time_s)
 
 
 

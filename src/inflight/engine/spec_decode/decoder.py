@@ -14,15 +14,18 @@ if TYPE_CHECKING:
     from inflight.config import SpeculativeConfig
     from inflight.engine.sequence import Sequence
 
-# Back-off: a sequence whose last WINDOW proposals accepted less than the bound of their drafts stops
-# proposing for COOLDOWN_STEPS decode steps, then tries again from a fresh window. The bound rises with the
-# batch: alone, draft rows ride along with a step that streams the weights anyway; with more than SMALL_BATCH
-# running they cost compute, and the measured break-even acceptance is higher (docs/PERFORMANCE.md).
+# How many drafts a sequence gets (StepCost): its j-th draft is worth proposing while the chance that it is
+# accepted (its acceptance rate a, estimated over its last WINDOW proposals, to the power j) exceeds what one
+# more row costs the step, counted in the tokens the step would otherwise give: from the engine's own measured
+# step times. No draft is worth it: the sequence stops proposing for COOLDOWN_STEPS decode steps, then tries
+# again from a fresh window. Until the step cost is known, a fixed bound on the window's acceptance (lower
+# alone, where draft rows ride along with a step that streams the weights anyway) decides.
 WINDOW = 8
 MIN_ACCEPTANCE = 0.2
 SMALL_BATCH = 4
 BATCHED_MIN_ACCEPTANCE = 0.4
 COOLDOWN_STEPS = 32
+PRIOR = (1.0, 1.0)  # (accepted, rejected) a fresh sequence starts from: a = 0.5
 
 
 class _SeqState:
@@ -31,6 +34,47 @@ class _SeqState:
     def __init__(self) -> None:
         self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (drafted, accepted) per proposal
         self.cooldown = 0
+
+    def acceptance(self) -> float:
+        """The chance that a draft is accepted given that the ones before it were: accepted drafts over
+        accepted plus rejections (a proposal has at most one), with PRIOR."""
+        accepted = PRIOR[0] + sum(a for _, a in self.recent)
+        rejected = PRIOR[1] + sum(1 for d, a in self.recent if a < d)
+        return accepted / (accepted + rejected)
+
+
+class StepCost:
+    """Seconds of a step without prompt tokens as a + b * rows, a least-squares fit over the last STEPS such
+    steps; `row_cost(batch)`: what one more row costs a step of `batch` sequences, as a share of the time per
+    token it gives (b * batch / (a + b * batch)). None until the rows have varied enough to tell b."""
+
+    STEPS = 64
+    MIN_STEPS = 8
+
+    def __init__(self) -> None:
+        self._steps: deque[tuple[int, float]] = deque(maxlen=self.STEPS)
+        self.fit: tuple[float, float] | None = None  # (a, b)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._steps.append((rows, seconds))
+        n = len(self._steps)
+        self.fit = None
+        if n < self.MIN_STEPS:
+            return
+        mean_r = sum(r for r, _ in self._steps) / n
+        mean_s = sum(t for _, t in self._steps) / n
+        var = sum((r - mean_r) ** 2 for r, _ in self._steps)
+        if var < n:  # rows within about one of each other: no slope to read
+            return
+        b = max(0.0, sum((r - mean_r) * (t - mean_s) for r, t in self._steps) / var)
+        self.fit = (max(0.0, mean_s - b * mean_r), b)
+
+    def row_cost(self, batch: int) -> float | None:
+        if self.fit is None:
+            return None
+        a, b = self.fit
+        step = a + b * batch
+        return b * batch / step if step > 0 else None
 
 
 class Proposer(Protocol):
@@ -93,7 +137,8 @@ class SpecDecoder:
         self.proposer = make_proposer(config)
         self._state: dict[Sequence, _SeqState] = {}
         self.counters = SpecDecodeCounters(self.k)
-        self._min_acceptance = MIN_ACCEPTANCE  # the bound for this step's batch
+        self.step_cost = StepCost()
+        self._min_acceptance = MIN_ACCEPTANCE  # the bound for this step's batch, while the step cost is unknown
 
     @staticmethod
     def can_speculate(seq: Sequence) -> bool:
@@ -107,6 +152,7 @@ class SpecDecoder:
         if len(running) > self.config.disable_by_batch_size:
             return  # the scheduler drops drafts left on sequences it does not schedule; none are set here
         self._min_acceptance = MIN_ACCEPTANCE if len(running) <= SMALL_BATCH else BATCHED_MIN_ACCEPTANCE
+        row_cost = self.step_cost.row_cost(len(running))
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not self.can_speculate(seq):
                 continue  # prefilling or recomputing: the rule schedules its own tokens
@@ -122,9 +168,28 @@ class SpecDecoder:
                 seq.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
+            if row_cost is not None:
+                room = min(room, self.worth(state.acceptance(), row_cost))
+                if room < 1:  # not even one draft pays: rest, then try again
+                    state.cooldown = COOLDOWN_STEPS
+                    state.recent.clear()
+                    continue
             if room < 1:
                 continue
             seq.spec_token_ids = self.proposer.propose(seq, seq.prompt_token_ids, seq.output_token_ids, room)
+
+    def worth(self, acceptance: float, row_cost: float) -> int:
+        """Drafts worth proposing: the j-th is while acceptance ** j (the chance it is accepted) exceeds what
+        its row costs (StepCost.row_cost), at most k."""
+        n, p = 0, acceptance
+        while n < self.k and p > row_cost:
+            n += 1
+            p *= acceptance
+        return n
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A step without prompt tokens: `rows` query tokens (a verifying sequence's drafts too) in `seconds`."""
+        self.step_cost.observe(rows, seconds)
 
     def verify(self, seqs: list[Sequence], drafts: list[list[int]], tokens: list[int]) -> list[list[int]]:
         """The tokens each sequence accepts (verify.accepted_tokens), recorded in the counters and back-off."""
@@ -141,7 +206,7 @@ class SpecDecoder:
         if state is None:
             return
         state.recent.append((num_drafts, num_accepted))
-        if len(state.recent) == WINDOW:
+        if len(state.recent) == WINDOW and self.step_cost.fit is None:
             drafted = sum(d for d, _ in state.recent)
             if sum(a for _, a in state.recent) < self._min_acceptance * drafted:
                 state.cooldown = COOLDOWN_STEPS
