@@ -35,9 +35,9 @@ bool supports_bf16() {
 template <typename T>
 using KernelFn = void (*)(const T*, int64_t, const T*, int64_t, T*, int64_t, const T*, int, const T*, int, int);
 
-// A task's first row block streams its panel from memory; the later ones read it from L2 and meanwhile pull
-// lines [j0, j0 + nl) of each step of the next panel into L2, so that memory and FMAs overlap (decode's
-// few-row GEMMs were the sum of both). Prefetches change no result.
+// While a task's row blocks compute from their panel, they pull lines [j0, j0 + nl) of each step of the next
+// task's panel into L2, so that memory and FMAs overlap (decode's few-row GEMMs were the sum of both; which
+// blocks help: gemm_range). Prefetches change no result.
 static inline void prefetch_lines(const void* next, int64_t k, int j0, int nl) {
   const char* line = static_cast<const char*>(next) + k * NR * 4 + 64 * j0;  // a step of a panel: 3 lines
   for (int j = 0; j < nl; ++j) _mm_prefetch(line + 64 * j, _MM_HINT_T1);
@@ -237,18 +237,17 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
   for (int64_t t = begin; t < end; t++) {
     const int64_t c = t / P, p = t % P, m0 = c * MC, m1 = std::min(M, (c + 1) * MC);
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
-    // The next task's panel is fetched by up to 3 later row blocks (3 lines a step in all); a lone block
-    // streams both panels.
-    const int64_t blocks = (m1 - m0 + MR - 1) / MR, helpers = std::min<int64_t>(blocks - 1, 3);
+    // The next task's panel is pulled into L2 while this one computes, 3 lines a step in all: with one or two
+    // row blocks by each of them, with more by blocks 1-3 (block 0 reads its own panel, fetched the same way).
+    const int64_t blocks = (m1 - m0 + MR - 1) / MR, first = blocks <= 2 ? 0 : 1;
+    const int64_t helpers = blocks <= 2 ? blocks : std::min<int64_t>(blocks - 1, 3);
     const T* next = t + 1 < end ? w + ((t + 1) % P) * panel_elems : nullptr;
     for (int64_t m = m0, b = 0; m < m1; m += MR, ++b) {
       const int rows = (int)std::min<int64_t>(MR, m1 - m);
       int j0 = 0, nl = 0;
-      if (next != nullptr && helpers == 0) {
-        nl = 3;
-      } else if (next != nullptr && b >= 1 && b <= helpers) {
-        j0 = (int)(3 * (b - 1) / helpers);
-        nl = (int)(3 * b / helpers) - j0;
+      if (next != nullptr && b >= first && b < first + helpers) {
+        j0 = (int)(3 * (b - first) / helpers);
+        nl = (int)(3 * (b - first + 1) / helpers) - j0;
       }
       kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy, bias ? bias + p * NR : nullptr,
                     valid, next, j0, nl);
