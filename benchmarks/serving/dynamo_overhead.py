@@ -32,7 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=4, help="even: each path goes first as often")
     p.add_argument("--http-port", type=int, default=18080)
     p.add_argument("--base-port", type=int, default=18100)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/inflight-dynamo-overhead"))
@@ -63,9 +63,11 @@ def main(argv: list[str] | None = None) -> int:
         replica = cluster.members[0]
         direct_url = f"http://127.0.0.1:{replica.openai_port}"
         paths = {"dynamo": (cluster.url, cluster.model_name()), "openai": (direct_url, _wait_model(direct_url))}
-        # A warm-up pass on each path (connections, the engine's first batches).
+        # A warm-up pass on each path (connections, the engine's first batches): a quarter round at full length,
+        # since the first full-length round measured ran 10-20% slower whichever path it was.
         for url, model in paths.values():
-            run_trace(url, model, prompts(args.concurrency, args.prompt_words, rng), args.concurrency, 4)
+            n = max(args.concurrency, args.requests // 4)
+            run_trace(url, model, prompts(n, args.prompt_words, rng), args.concurrency, args.output_tokens)
         for i in range(args.rounds):
             order = ["openai", "dynamo"] if i % 2 == 0 else ["dynamo", "openai"]
             row: dict[str, Any] = {}

@@ -79,7 +79,7 @@ class TritonReplicaEngine(LLMEngine):
         self.kv_source: ZmqSource | None = None
         self.context_length: int | None = None
         self._watch: asyncio.Task | None = None
-        self._stops: dict[str, asyncio.Event] = {}
+        self._stops: dict[str, asyncio.Queue] = {}  # per request: its outputs, or _ABORTED from abort()
         self._suspect = asyncio.Event()
 
     @classmethod
@@ -178,24 +178,23 @@ class TritonReplicaEngine(LLMEngine):
         prompt = list(request.get("token_ids") or [])
         params = sampling_parameters(dict(request), self.context_length)
         request_id = context.id() or ""
-        stop = self._stops[request_id] = asyncio.Event()
         stream = self.llm.generate(prompt, params, stream=True, request_id=request_id, token_ids=True)
+        # One task pumps the replica's responses into a queue that abort() can also end: a queue put and get a
+        # token, where waiting on the stream and an abort event together made a task and a wait per token.
+        queue: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.ensure_future(_pump(stream, queue))
+        self._stops[request_id] = queue
         completion_tokens = 0
-        stopped = asyncio.ensure_future(stop.wait())
         try:
             while True:
-                step = asyncio.ensure_future(anext(stream))
-                await asyncio.wait((step, stopped), return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():  # aborted: leaving cancels the request on Triton (its KV blocks go back)
-                    step.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                        await step
+                out = await queue.get()
+                if out is _ABORTED:  # leaving cancels the request on Triton (its KV blocks go back)
                     yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
                     return
-                try:
-                    out = step.result()
-                except StopAsyncIteration:
+                if out is _ENDED:
                     return
+                if isinstance(out, BaseException):
+                    raise out
                 ids = out.token_ids or []
                 completion_tokens += len(ids)
                 chunk: GenerateChunk = {"token_ids": ids, "index": 0}
@@ -212,14 +211,17 @@ class TritonReplicaEngine(LLMEngine):
             # Dynamo's frontend may move the request to another worker (its --migration-limit).
             raise WorkerUnavailable(str(e)) from None
         finally:
-            stopped.cancel()
             self._stops.pop(request_id, None)
+            if not pump.done():
+                pump.cancel()  # the stream's own cleanup cancels the request on the server
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
             await stream.aclose()
 
     async def abort(self, context: Context) -> None:
-        stop = self._stops.get(context.id() or "")
-        if stop is not None:
-            stop.set()
+        queue = self._stops.get(context.id() or "")
+        if queue is not None:
+            queue.put_nowait(_ABORTED)
 
     async def _watch_replica(self) -> None:
         """Leave the cluster when the replica is gone: a SIGTERM runs Dynamo's graceful shutdown, which
@@ -249,6 +251,21 @@ class TritonReplicaEngine(LLMEngine):
         if self.llm is not None:
             await self.llm.close()
             self.llm = None
+
+
+_ABORTED, _ENDED = object(), object()
+
+
+async def _pump(stream: AsyncGenerator, queue: asyncio.Queue) -> None:
+    """The stream's outputs into `queue`, then _ENDED, or the exception it raised."""
+    try:
+        async for out in stream:
+            queue.put_nowait(out)
+        queue.put_nowait(_ENDED)
+    except asyncio.CancelledError:
+        raise
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it in its own task
+        queue.put_nowait(e)
 
 
 def _int(text: str | None) -> int | None:
