@@ -36,9 +36,10 @@ def profile_command(
     input_tokens: int,
     output_tokens: int,
     model: str = "llm",
+    warmup: int = 4,
 ) -> list[str]:
     """Streaming requests of exactly `output_tokens` (ignore_eos + min_tokens), synthetic prompts of
-    `input_tokens`, `concurrency` in flight, seeded."""
+    `input_tokens`, `concurrency` in flight, seeded; `warmup` requests first, not measured."""
     return [
         str(VENV / "bin" / "aiperf"), "profile",
         "--model", model, "--url", url, *endpoint, "--streaming",
@@ -47,7 +48,7 @@ def profile_command(
         "--prompt-input-tokens-mean", str(input_tokens), "--prompt-input-tokens-stddev", "0",
         "--prompt-output-tokens-mean", str(output_tokens), "--prompt-output-tokens-stddev", "0",
         "--extra-inputs", "ignore_eos:true", "--extra-inputs", f"min_tokens:{output_tokens}",
-        "--warmup-request-count", "4", "--random-seed", "0",
+        "--warmup-request-count", str(warmup), "--random-seed", "0",
         "--output-artifact-dir", str(out), "--ui-type", "none",
     ]  # fmt: skip
 

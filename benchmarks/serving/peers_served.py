@@ -108,20 +108,23 @@ def run_vllm(args, model_dir: Path, out: Path) -> dict[str, Any]:
 
 
 def run_inflight(args, model_dir: Path, out: Path) -> dict[str, dict[str, Any]]:
+    """Each of inflight's paths on a server of its own, as vLLM's server is: AIPerf sends the same seeded prompts
+    to every target, and a second path on the same server found them all in the prefix cache (TTFT 0.2-0.4 s
+    against 1.3 s, ~25% more tok/s)."""
     params = {"model": str(model_dir), "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
               "max_model_len": args.max_model_len}  # fmt: skip
     results = {}
     out.mkdir(parents=True, exist_ok=True)
-    log = out / "server.log"
-    with TritonServer(parameters=params, http_port=0, grpc_port=0, metrics_port=0, log=log) as srv:
-        srv.wait_ready()
-        with OpenAIServer(srv.grpc_url, port=0, host="127.0.0.1", model_dir=str(model_dir)) as api:
-            results["inflight-openai"] = profile(
-                args, "inflight-openai", api.url, aiperf.openai_endpoint(), model_dir, out / "openai"
-            )
-        results["inflight-http"] = profile(
-            args, "inflight-http", srv.http_url, aiperf.triton_generate_stream(), model_dir, out / "http"
-        )
+    for name in ("inflight-openai", "inflight-http"):
+        where = out / name.removeprefix("inflight-")
+        where.mkdir(parents=True, exist_ok=True)
+        with TritonServer(parameters=params, http_port=0, grpc_port=0, metrics_port=0, log=where / "server.log") as srv:
+            srv.wait_ready()
+            if name == "inflight-http":
+                results[name] = profile(args, name, srv.http_url, aiperf.triton_generate_stream(), model_dir, where)
+                continue
+            with OpenAIServer(srv.grpc_url, port=0, host="127.0.0.1", model_dir=str(model_dir)) as api:
+                results[name] = profile(args, name, api.url, aiperf.openai_endpoint(), model_dir, where)
     return results
 
 
