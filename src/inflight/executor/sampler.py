@@ -468,11 +468,10 @@ class Sampler:
     def _logprobs(
         self, raw: torch.Tensor | None, token_ids: torch.Tensor, md: SamplingMetadata, out: SamplerOutput
     ) -> SamplerOutput:
-        asked = md.logprobs[md.logprobs >= 0]
-        if raw is None or not asked.size:
+        if raw is None:  # no row asked (_raw_logprobs)
             return out
         out.logprobs = raw.gather(1, token_ids[:, None])[:, 0]
-        top_n = int(asked.max())
+        top_n = int(md.logprobs.max())
         if top_n > 0:
             out.top_logprobs, out.top_ids = raw.topk(top_n, dim=-1)
         return out

@@ -168,14 +168,14 @@ class SpecDecoder:
                 seq.sampling_params.max_tokens - len(seq.output_token_ids) - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
+            if room < 1:
+                continue
             if row_cost is not None:
                 room = min(room, self.worth(state.acceptance(), row_cost))
                 if room < 1:  # not even one draft pays: rest, then try again
                     state.cooldown = COOLDOWN_STEPS
                     state.recent.clear()
                     continue
-            if room < 1:
-                continue
             seq.spec_token_ids = self.proposer.propose(seq, seq.prompt_token_ids, seq.output_token_ids, room)
 
     def worth(self, acceptance: float, row_cost: float) -> int:

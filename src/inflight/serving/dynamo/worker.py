@@ -79,7 +79,7 @@ class TritonReplicaEngine(LLMEngine):
         self.kv_source: ZmqSource | None = None
         self.context_length: int | None = None
         self._watch: asyncio.Task | None = None
-        self._stops: dict[str, asyncio.Queue] = {}  # per request: its outputs, or _ABORTED from abort()
+        self._queues: dict[str, asyncio.Queue] = {}  # per request: its outputs, or _ABORTED from abort()
         self._suspect = asyncio.Event()
 
     @classmethod
@@ -183,7 +183,7 @@ class TritonReplicaEngine(LLMEngine):
         # token, where waiting on the stream and an abort event together made a task and a wait per token.
         queue: asyncio.Queue = asyncio.Queue()
         pump = asyncio.ensure_future(_pump(stream, queue))
-        self._stops[request_id] = queue
+        self._queues[request_id] = queue
         completion_tokens = 0
         try:
             while True:
@@ -193,7 +193,7 @@ class TritonReplicaEngine(LLMEngine):
                     return
                 if out is _ENDED:
                     return
-                if isinstance(out, BaseException):
+                if isinstance(out, Exception):
                     raise out
                 ids = out.token_ids or []
                 completion_tokens += len(ids)
@@ -211,7 +211,7 @@ class TritonReplicaEngine(LLMEngine):
             # Dynamo's frontend may move the request to another worker (its --migration-limit).
             raise WorkerUnavailable(str(e)) from None
         finally:
-            self._stops.pop(request_id, None)
+            self._queues.pop(request_id, None)
             if not pump.done():
                 pump.cancel()  # the stream's own cleanup cancels the request on the server
             with contextlib.suppress(asyncio.CancelledError):
@@ -219,7 +219,7 @@ class TritonReplicaEngine(LLMEngine):
             await stream.aclose()
 
     async def abort(self, context: Context) -> None:
-        queue = self._stops.get(context.id() or "")
+        queue = self._queues.get(context.id() or "")
         if queue is not None:
             queue.put_nowait(_ABORTED)
 
@@ -262,9 +262,7 @@ async def _pump(stream: AsyncGenerator, queue: asyncio.Queue) -> None:
         async for out in stream:
             queue.put_nowait(out)
         queue.put_nowait(_ENDED)
-    except asyncio.CancelledError:
-        raise
-    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it in its own task
+    except Exception as e:  # handed to the consumer, which raises it in its own task (a cancel is not caught)
         queue.put_nowait(e)
 
 
