@@ -91,7 +91,7 @@ def test_tied_lm_head_is_packed_where_our_gemm_runs_it(tmp_path, dtype, monkeypa
     [(704, 512, False), (1536, 742, True), (4096, 512, False), (528, 100, True)],  # 528: not whole AMX tiles
 )
 def test_rows_do_not_depend_on_how_many_share_the_call(dtype, in_features, out_features, bias):
-    """Batch invariance: a row's output is the same alone, in 2, 3, 16 or 64 rows. oneDNN sums K in
+    """Batch invariance: a row's output is the same alone, in 2, 3, 9, 10, 16, 17 or 256 rows. oneDNN sums K in
     another order for a single row when K > 1024 (AVX512-BF16), so there a lone row must take the batched
     kernel; our GEMM sums every row alike (742 outputs: a part-filled last panel; with a bias)."""
     linear = nn.Linear(in_features, out_features, bias=bias).to(dtype)
@@ -105,7 +105,7 @@ def test_rows_do_not_depend_on_how_many_share_the_call(dtype, in_features, out_f
     x = torch.randn(256, in_features, generator=gen).to(dtype)  # oneDNN: ~1e-4 of outputs differ, 131k of them
     with torch.inference_mode():
         together = packed(x)
-        for rows in (1, 2, 3, 16):
+        for rows in (1, 2, 3, 9, 10, 16, 17):  # blocks of 1-10 rows: 9 and 10 in one, 17 as 9 + 8
             split = torch.cat([packed(x[i : i + rows]) for i in range(0, 256, rows)])  # 256 = 85 * 3 + 1
             assert torch.equal(split, together), f"{rows} row(s) per call"
         exact = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)

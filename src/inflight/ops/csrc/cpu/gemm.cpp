@@ -1,7 +1,7 @@
 // Our CPU GEMM: weights packed once in panels, each output summing its K products in order k = 0..K-1 into
 // one fp32 accumulator however many rows share the call: a row's result is the same bits at any batch size.
 // Layout: panels of NR outputs, zero-padded past N. fp32: [P][K][48]; bf16: [P][K/2][48][2], the pairs
-// vdpbf16ps (and AMX's tiles) multiply. The micro-kernel holds 8 rows x 48 outputs in 24 registers.
+// vdpbf16ps (and AMX's tiles) multiply. The micro-kernel holds up to 10 rows x 48 outputs in 30 registers.
 #include "gemm.h"
 
 #include <ATen/ATen.h>
@@ -14,7 +14,7 @@
 
 #include "ops.h"
 
-constexpr int MR = 8;  // rows per micro-kernel call: 8 x 3 accumulators of the 32 vector registers
+constexpr int MR = 10;  // rows per micro-kernel call, at most: 10 x 3 accumulators of the 32 vector registers
 
 bool supports_f32() {
 #ifdef __AVX512F__
@@ -73,9 +73,9 @@ static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, f
   }
 }
 
-static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr,       kernel_f32<1>, kernel_f32<2>,
-                                                    kernel_f32<3>, kernel_f32<4>, kernel_f32<5>,
-                                                    kernel_f32<6>, kernel_f32<7>, kernel_f32<8>};
+static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr,       kernel_f32<1>, kernel_f32<2>, kernel_f32<3>,
+                                                    kernel_f32<4>, kernel_f32<5>, kernel_f32<6>, kernel_f32<7>,
+                                                    kernel_f32<8>, kernel_f32<9>, kernel_f32<10>};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -118,9 +118,9 @@ static void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
   }
 }
 
-static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {nullptr,        kernel_bf16<1>, kernel_bf16<2>,
-                                                        kernel_bf16<3>, kernel_bf16<4>, kernel_bf16<5>,
-                                                        kernel_bf16<6>, kernel_bf16<7>, kernel_bf16<8>};
+static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {
+    nullptr,        kernel_bf16<1>, kernel_bf16<2>, kernel_bf16<3>, kernel_bf16<4>, kernel_bf16<5>,
+    kernel_bf16<6>, kernel_bf16<7>, kernel_bf16<8>, kernel_bf16<9>, kernel_bf16<10>};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -239,11 +239,13 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
     // The next task's panel is pulled into L2 while this one computes, 3 lines a step in all: with one or two
     // row blocks by each of them, with more by blocks 1-3 (block 0 reads its own panel, fetched the same way).
-    const int64_t blocks = (m1 - m0 + MR - 1) / MR, first = blocks <= 2 ? 0 : 1;
+    const int64_t n = m1 - m0, blocks = (n + MR - 1) / MR, first = blocks <= 2 ? 0 : 1;
     const int64_t helpers = blocks <= 2 ? blocks : std::min<int64_t>(blocks - 1, 3);
     const T* next = t + 1 < end ? w + ((t + 1) % P) * panel_elems : nullptr;
-    for (int64_t m = m0, b = 0; m < m1; m += MR, ++b) {
-      const int rows = (int)std::min<int64_t>(MR, m1 - m);
+    // The rows shared evenly among the fewest blocks (9 rows: one block; 17: 9 + 8): a block of a row or two
+    // is bound by its FMA chains' latency and cost a pass over the panel as slow as a full one.
+    for (int64_t m = m0, b = 0; b < blocks; ++b) {
+      const int rows = (int)((n * (b + 1) + blocks - 1) / blocks - (n * b + blocks - 1) / blocks);
       int j0 = 0, nl = 0;
       if (next != nullptr && b >= first && b < first + helpers) {
         j0 = (int)(3 * (b - first) / helpers);
@@ -251,6 +253,7 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
       }
       kernels[rows](x + m * ldx, ldx, w + p * panel_elems, K, y + m * ldy + p * NR, ldy, bias ? bias + p * NR : nullptr,
                     valid, next, j0, nl);
+      m += rows;
     }
   }
 }
