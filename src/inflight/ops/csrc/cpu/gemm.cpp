@@ -237,13 +237,14 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
   for (int64_t t = begin; t < end; t++) {
     const int64_t c = t / P, p = t % P, m0 = c * MC, m1 = std::min(M, (c + 1) * MC);
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
+    // Blocks of 8 rows where the rows are whole 8s (a 9- or 10-row block spills a register or two); otherwise
+    // the fewest blocks, the rows shared evenly (9 rows: one block, not 8 + 1; 17: 9 + 8): a block of a row or
+    // two is bound by its FMA chains' latency and cost a pass over the panel as slow as a full one.
     // The next task's panel is pulled into L2 while this one computes, 3 lines a step in all: with one or two
     // row blocks by each of them, with more by blocks 1-3 (block 0 reads its own panel, fetched the same way).
-    const int64_t n = m1 - m0, blocks = (n + MR - 1) / MR, first = blocks <= 2 ? 0 : 1;
+    const int64_t n = m1 - m0, blocks = n % 8 == 0 ? n / 8 : (n + MR - 1) / MR, first = blocks <= 2 ? 0 : 1;
     const int64_t helpers = blocks <= 2 ? blocks : std::min<int64_t>(blocks - 1, 3);
     const T* next = t + 1 < end ? w + ((t + 1) % P) * panel_elems : nullptr;
-    // The rows shared evenly among the fewest blocks (9 rows: one block; 17: 9 + 8): a block of a row or two
-    // is bound by its FMA chains' latency and cost a pass over the panel as slow as a full one.
     for (int64_t m = m0, b = 0; b < blocks; ++b) {
       const int rows = (int)((n * (b + 1) + blocks - 1) / blocks - (n * b + blocks - 1) / blocks);
       int j0 = 0, nl = 0;
