@@ -185,9 +185,10 @@ class TritonReplicaEngine(LLMEngine):
         pump = asyncio.ensure_future(_pump(stream, queue))
         self._queues[request_id] = queue
         completion_tokens = 0
+        held = None  # what ended a merge below, handled next
         try:
             while True:
-                out = await queue.get()
+                out, held = (held, None) if held is not None else (await queue.get(), None)
                 if out is _ABORTED:  # leaving cancels the request on Triton (its KV blocks go back)
                     yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
                     return
@@ -195,7 +196,16 @@ class TritonReplicaEngine(LLMEngine):
                     return
                 if isinstance(out, Exception):
                     raise out
-                ids = out.token_ids or []
+                ids = list(out.token_ids or [])
+                # Responses that queued up while the last chunk was on its way go as one chunk (as the model's
+                # responder merges its deltas when sending falls behind): one message through Dynamo, not many.
+                while not out.final and not queue.empty():
+                    nxt = queue.get_nowait()
+                    if nxt is _ABORTED or nxt is _ENDED or isinstance(nxt, Exception):
+                        held = nxt
+                        break
+                    out = nxt
+                    ids += out.token_ids or []
                 completion_tokens += len(ids)
                 chunk: GenerateChunk = {"token_ids": ids, "index": 0}
                 if out.final:
