@@ -118,9 +118,9 @@ static void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64
   }
 }
 
-static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {
-    nullptr,        kernel_bf16<1>, kernel_bf16<2>, kernel_bf16<3>, kernel_bf16<4>, kernel_bf16<5>,
-    kernel_bf16<6>, kernel_bf16<7>, kernel_bf16<8>, kernel_bf16<9>, kernel_bf16<10>};
+static const KernelFn<uint16_t> BF16_KERNELS[MR + 1] = {nullptr,        kernel_bf16<1>, kernel_bf16<2>, kernel_bf16<3>,
+                                                        kernel_bf16<4>, kernel_bf16<5>, kernel_bf16<6>, kernel_bf16<7>,
+                                                        kernel_bf16<8>, kernel_bf16<9>, kernel_bf16<10>};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)

@@ -1,10 +1,61 @@
 // RMSNorm in HF's order: x * rsqrt(mean(x^2) + eps), rounded to the activations' dtype, then * weight, rounded.
+#include <type_traits>
+
 #include "common.h"
 #include "ops.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_BF16_NORM 1
+static inline __m512 widen16(const c10::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // nearest even, as from_f
+// bf16 rows 16 lanes at a time: the generic loop's residual add rounds each element (a branch for NaN), which
+// kept it scalar, and its sum of squares was one dependent FMA an element. Here the squares sum in four 16-lane
+// accumulators (chunk c into c % 4), added pairwise, then across lanes: the same order for every row.
+static void rms_norm_rows_bf16(c10::BFloat16* out, int64_t os, c10::BFloat16* x, int64_t xs, c10::BFloat16* res,
+                               int64_t rs, const c10::BFloat16* w, int64_t H, float eps, int64_t begin, int64_t end) {
+  for (int64_t r = begin; r < end; ++r) {
+    c10::BFloat16* src = x + r * xs;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (res != nullptr) {  // residual <- x + residual, rounded to bf16 as HF adds
+      c10::BFloat16* rr = res + r * rs;
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m256i v = round16(_mm512_add_ps(widen16(src + i), widen16(rr + i)));
+        _mm256_storeu_si256((__m256i*)(rr + i), v);
+        const __m512 f = widen16(rr + i);
+        acc[(i / 16) % 4] = _mm512_fmadd_ps(f, f, acc[(i / 16) % 4]);
+      }
+      src = rr;
+    } else {
+      for (int64_t i = 0; i < H; i += 16) {
+        const __m512 f = widen16(src + i);
+        acc[(i / 16) % 4] = _mm512_fmadd_ps(f, f, acc[(i / 16) % 4]);
+      }
+    }
+    const float ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / float(H) + eps));
+    c10::BFloat16* o = out + r * os;
+    for (int64_t i = 0; i < H; i += 16) {
+      const __m512 normed = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(_mm512_mul_ps(widen16(src + i), inv))), 16));
+      _mm256_storeu_si256((__m256i*)(o + i), round16(_mm512_mul_ps(widen16(w + i), normed)));
+    }
+  }
+}
+#else
+#define HAVE_BF16_NORM 0
+#endif
 
 template <typename T>
 __attribute__((noinline)) void rms_norm_rows(T* out, int64_t os, T* x, int64_t xs, T* res, int64_t rs, const T* w,
                                              int64_t H, float eps, int64_t begin, int64_t end) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#if HAVE_BF16_NORM
+    if (H % 16 == 0) return rms_norm_rows_bf16(out, os, x, xs, res, rs, w, H, eps, begin, end);
+#endif
+  }
   for (int64_t r = begin; r < end; ++r) {
     T* xr = x + r * xs;
     const T* src = xr;
