@@ -94,7 +94,10 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
     float* __restrict__ sx = sc + x * bs;
     float bm = s.m[x];
     for (int64_t i = 0; i < n; ++i) bm = std::max(bm, sx[i]);
-    const float corr = std::exp(s.m[x] - bm);  // exp(-inf) = 0 on the first block
+    // exp(-inf) = 0 on the first block; exp(0) is 1 exactly, so a block that leaves the max where it was
+    // (most of a long prompt's) skips the call and the rescale with the same bits.
+    const bool same = bm == s.m[x];
+    const float corr = same ? 1.f : std::exp(s.m[x] - bm);
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) {
       sx[i] = std::exp(sx[i] - bm);
@@ -103,7 +106,8 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
     s.l[x] = s.l[x] * corr + sum;
     s.m[x] = bm;
     float* __restrict__ ax = acc + x * D;
-    for (int64_t d = 0; d < D; ++d) ax[d] *= corr;
+    if (!same)
+      for (int64_t d = 0; d < D; ++d) ax[d] *= corr;
   }
   if constexpr (SIMD) {
 #if HAVE_SIMD_ATTENTION
