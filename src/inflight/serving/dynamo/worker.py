@@ -188,7 +188,10 @@ class TritonReplicaEngine(LLMEngine):
         held = None  # what ended a merge below, handled next
         try:
             while True:
-                out, held = (held, None) if held is not None else (await queue.get(), None)
+                if held is not None:
+                    out, held = held, None
+                else:
+                    out = await queue.get()
                 if out is _ABORTED:  # leaving cancels the request on Triton (its KV blocks go back)
                     yield {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
                     return

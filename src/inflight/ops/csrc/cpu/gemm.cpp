@@ -237,7 +237,7 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
   for (int64_t t = begin; t < end; t++) {
     const int64_t c = t / P, p = t % P, m0 = c * MC, m1 = std::min(M, (c + 1) * MC);
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
-    // Blocks of 8 rows where the rows are whole 8s (a 9- or 10-row block spills a register or two); otherwise
+    // Blocks of 8 rows where the rows are whole 8s (a 10-row block's values outnumber the registers); otherwise
     // the fewest blocks, the rows shared evenly (9 rows: one block, not 8 + 1; 17: 9 + 8): a block of a row or
     // two is bound by its FMA chains' latency and cost a pass over the panel as slow as a full one.
     // The next task's panel is pulled into L2 while this one computes, 3 lines a step in all: with one or two
