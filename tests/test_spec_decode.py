@@ -212,13 +212,15 @@ BF16_PER_ROW = pytest.param(
     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 chunk and decode kernels differ in bits on a GPU"),
 )
 
-def run(demo_model_dir, prompts, params, spec=None, proposer=None, **engine_args):
-    """Every prompt to completion; (token ids per prompt, the engine)."""
+def run(demo_model_dir, prompts, params, spec=None, proposer=None, step_cost=None, **engine_args):
+    """Every prompt to completion; (token ids per prompt, the engine). `step_cost(StepCost)` sets up the cost."""
     engine_args.setdefault("dtype", "float32")
     engine_args.setdefault("num_kv_blocks", 256)
     llm = LLM(demo_model_dir, speculative_config=spec, **engine_args)
     if proposer is not None:
         llm.engine.spec_decoder.proposer = proposer
+    if step_cost is not None:
+        step_cost(llm.engine.spec_decoder.step_cost)
     params = params if isinstance(params, list) else [params] * len(prompts)
     outs = llm.generate(prompts, params, use_tqdm=False)
     engine = llm.engine
@@ -401,13 +403,25 @@ def test_no_speculation_for_logprobs_or_large_batches(demo_model_dir):
     assert 0 < drafts <= 4 * (20 - 6)
 
 
-def test_back_off_when_drafts_are_rejected(demo_model_dir):
+@pytest.mark.parametrize("row_cost", [None, 1 / 3])
+def test_back_off_when_drafts_are_rejected(demo_model_dir, row_cost):
+    """Step cost unknown: 8 rejected proposals, then a cooldown of 32 steps, then 8 more...; a row costing a third
+    of a token: a draft stops paying after the first rejection. Either way far fewer drafts than steps. (The cost
+    is set here: measured on a model this small, a draft row may cost less than the 0.1 acceptance that eight
+    rejections leave a sequence with, and then drafting goes on, as the rule says.)"""
     params = SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
     ref, _ = run(demo_model_dir, PROMPTS[:1], params)
     always_wrong = OracleProposer(4, {tuple(PROMPTS[0]): ref[0]}, wrong_every=1)
-    got, engine = run(demo_model_dir, PROMPTS[:1], params, NGRAM, always_wrong)
+
+    def cost(step_cost):
+        if row_cost is not None:  # one sequence: a row costs b / (a + b) of its step
+            for rows in (1, 5, 1, 3, 5, 2, 1, 4):
+                step_cost.observe(rows, 0.004 + 0.002 * rows)
+            assert step_cost.row_cost(1) == pytest.approx(row_cost)
+        step_cost.observe = lambda rows, seconds: None
+
+    got, engine = run(demo_model_dir, PROMPTS[:1], params, NGRAM, always_wrong, step_cost=cost)
     assert got == ref
-    # 8 rejected proposals, then a cooldown of 32 steps, then 8 more...: far fewer than one per step.
     assert engine.spec_decode_counters["spec_decode_num_drafts"] <= 30
 
 
