@@ -38,6 +38,15 @@ static inline float round_to(float f) {
   return to_f(from_f<T>(f));
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+// Sixteen bf16 as fp32 lanes: the bits into the top half (exact).
+static inline __m512 widen16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)); }
+// Sixteen values as fp32 lanes: loaded, or bf16 widened.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) { return widen16(_mm256_loadu_si256((const __m256i*)p)); }
+#endif
+
 #define DISPATCH(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)
 
 // Rows per parallel chunk: a small op runs on the calling thread, since waking the pool costs more than its work.

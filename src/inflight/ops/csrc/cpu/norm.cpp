@@ -5,11 +5,7 @@
 #include "ops.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
 #define HAVE_BF16_NORM 1
-static inline __m512 widen16(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
 static inline __m256i round16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }  // nearest even, as from_f
 // bf16 rows 16 lanes at a time: the generic loop's residual add rounds each element (a branch for NaN), which
 // kept it scalar, and its sum of squares was one dependent FMA an element. Here the squares sum in four 16-lane
@@ -22,15 +18,15 @@ static void rms_norm_rows_bf16(c10::BFloat16* out, int64_t os, c10::BFloat16* x,
     if (res != nullptr) {  // residual <- x + residual, rounded to bf16 as HF adds
       c10::BFloat16* rr = res + r * rs;
       for (int64_t i = 0; i < H; i += 16) {
-        const __m256i v = round16(_mm512_add_ps(widen16(src + i), widen16(rr + i)));
+        const __m256i v = round16(_mm512_add_ps(load16(src + i), load16(rr + i)));
         _mm256_storeu_si256((__m256i*)(rr + i), v);
-        const __m512 f = widen16(rr + i);
+        const __m512 f = load16(rr + i);
         acc[(i / 16) % 4] = _mm512_fmadd_ps(f, f, acc[(i / 16) % 4]);
       }
       src = rr;
     } else {
       for (int64_t i = 0; i < H; i += 16) {
-        const __m512 f = widen16(src + i);
+        const __m512 f = load16(src + i);
         acc[(i / 16) % 4] = _mm512_fmadd_ps(f, f, acc[(i / 16) % 4]);
       }
     }
@@ -38,9 +34,8 @@ static void rms_norm_rows_bf16(c10::BFloat16* out, int64_t os, c10::BFloat16* x,
     const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / float(H) + eps));
     c10::BFloat16* o = out + r * os;
     for (int64_t i = 0; i < H; i += 16) {
-      const __m512 normed = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(round16(_mm512_mul_ps(widen16(src + i), inv))), 16));
-      _mm256_storeu_si256((__m256i*)(o + i), round16(_mm512_mul_ps(widen16(w + i), normed)));
+      const __m512 normed = widen16(round16(_mm512_mul_ps(load16(src + i), inv)));
+      _mm256_storeu_si256((__m256i*)(o + i), round16(_mm512_mul_ps(load16(w + i), normed)));
     }
   }
 }

@@ -8,11 +8,6 @@
 
 // AVX-512 pieces (head sizes that are multiples of 16, fp32 and bf16).
 #ifdef __AVX512F__
-#include <immintrin.h>
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the bits into the top half
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
 // Sixteen vectors -> one vector of their sixteen horizontal sums, in a fixed tree: lane i is the sum of
 // v[i]'s lanes.
 static inline __m512 sum16(const __m512* v) {
