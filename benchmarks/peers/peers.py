@@ -26,11 +26,11 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_SCRIPT = ROOT / "benchmarks" / "peers" / "vllm_cpu.sh"
 TARGET = 1.25  # inflight ÷ vLLM-CPU, in each dtype (issue 10's shallow models)
 MODEL_TARGETS = {"smollm2": 1.5}  # issue 28: the lead must hold on a real, deep model too
+UNAVAILABLE = 3  # vllm_cpu.sh's exit status when vLLM's virtualenv cannot be created
 
 
 def target_for(model: str) -> float:
     return MODEL_TARGETS.get(model, TARGET)
-UNAVAILABLE = 3  # vllm_cpu.sh's exit status when vLLM's virtualenv cannot be created
 
 
 @dataclass
@@ -150,6 +150,7 @@ def row(model: str, dtype: str, params: int, inflight: dict[str, Any], peer: Pee
     ratio = None
     if vllm and vllm.get("comparable") and vllm["tokens_per_s"]:
         ratio = inflight["tokens_per_s"] / vllm["tokens_per_s"]
+    target = target_for(model)
     return {
         "model": model,
         "dtype": dtype,
@@ -158,8 +159,8 @@ def row(model: str, dtype: str, params: int, inflight: dict[str, Any], peer: Pee
         "vllm": vllm,
         "vllm_skipped": peer.skipped,
         "inflight_over_vllm": ratio,
-        "target": target_for(model),
-        "met": None if ratio is None else ratio >= target_for(model),
+        "target": target,
+        "met": None if ratio is None else ratio >= target,
     }
 
 
