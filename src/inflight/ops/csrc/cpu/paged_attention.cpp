@@ -30,6 +30,8 @@ static inline __m512 sum16(const __m512* v) {
 // One query row's state for its task's heads: x = local head * G + group member.
 struct RowState {
   float *q, *acc, *sc, *m, *l;
+  const char* const* pf = nullptr;  // cache lines to prefetch while this block computes (the next block's)
+  int64_t pf_n = 0;
 };
 
 // One row, one block: its n tokens' scores, the running max/sum rescaled (online softmax), then their V rows.
@@ -48,6 +50,10 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
     // Sixteen tokens at a time: each score's D products summed chunk by chunk into one vector, then the
     // sixteen vectors reduced together (sum16): no reduction per score.
     constexpr int C = D_FIXED / 16;
+    // The prefetches go out a share per score pass: all at once they would stall on the core's few
+    // outstanding misses instead of overlapping this block's arithmetic.
+    const int64_t share = (s.pf_n + nh * G * ((n + 15) / 16) - 1) / (nh * G * ((n + 15) / 16));
+    int64_t pf_i = 0;
     for (int64_t hh = 0; hh < nh; ++hh) {
       for (int64_t i0 = 0; i0 < n; i0 += 16) {
         const int64_t nc = std::min<int64_t>(16, n - i0);
@@ -56,6 +62,7 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
           const int64_t x = hh * G + g;
           __m512 qc[C], v[16];
           for (int c = 0; c < C; ++c) qc[c] = _mm512_loadu_ps(q + x * D + 16 * c);
+          for (const int64_t e = std::min(s.pf_n, pf_i + share); pf_i < e; ++pf_i) __builtin_prefetch(s.pf[pf_i]);
           for (int64_t i = 0; i < 16; ++i) {
             if (i >= nc) {
               v[i] = _mm512_setzero_ps();
@@ -71,6 +78,7 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
     }
 #endif
   } else {
+    for (int64_t i = 0; i < s.pf_n; ++i) __builtin_prefetch(s.pf[i]);
     float row[D_FIXED > 0 ? D_FIXED : 512];  // one head's K or V row, widened (D <= 512 is checked)
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t hh = 0; hh < nh; ++hh) {
@@ -205,6 +213,26 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
   float* const sv = accv + lines(R * X * D);
   float* const mv = sv + lines(R * X * bs);
   float* const lv = mv + lines(R * X);
+  // A lone row's prefetches, handed to row_block: the next block's K and V lines for our heads.
+  thread_local std::vector<const char*> pf;
+  const int64_t row_lines = (per * D * int64_t(sizeof(scalar_t)) + 63) / 64;
+  if (pf.size() < size_t(2 * bs * row_lines)) pf.resize(2 * bs * row_lines);
+  // A block's first n rows for heads [hs, hs + nhs): queued for a lone row, asked for now for a tile.
+  const auto prefetch_block = [&](int64_t block, int64_t hs, int64_t nhs, int64_t n, bool queue) {
+    const int64_t base = (block * bs * Hkv + hs) * D, bytes = nhs * D * int64_t(sizeof(scalar_t));
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t o = 0; o < bytes; o += 64) {
+        const char* k = (const char*)(k_ptr + base + i * row_stride) + o;
+        const char* v = (const char*)(v_ptr + base + i * row_stride) + o;
+        if (queue) {
+          pf[m++] = k, pf[m++] = v;
+        } else {
+          __builtin_prefetch(k), __builtin_prefetch(v);
+        }
+      }
+    return m;
+  };
   for (int64_t task = begin; task < end; ++task) {
     const int64_t tile = task / splits, h0 = (task % splits) * per;
     const int64_t nh = std::min(Hkv, h0 + per) - h0;
@@ -230,18 +258,19 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
       const scalar_t* __restrict__ kb = k_ptr + base;
       const scalar_t* __restrict__ vb = v_ptr + base;
       const int64_t n = std::min(bs, L - t0);
-      if (t0 + bs < L) {  // the next block sits elsewhere in the cache: ask for its rows (our heads) now
-        const int64_t next = (int64_t(table[t0 / bs + 1]) * bs * Hkv + h0) * D;
-        const int64_t bytes = nh * D * int64_t(sizeof(scalar_t));
-        for (int64_t i = 0; i < bs; ++i)
-          for (int64_t o = 0; o < bytes; o += 64) {
-            __builtin_prefetch((const char*)(k_ptr + next + i * row_stride) + o);
-            __builtin_prefetch((const char*)(v_ptr + next + i * row_stride) + o);
-          }
+      // The next block sits elsewhere in the cache: its rows (our heads) are fetched while this one
+      // computes; a lone row's last block fetches the next task's first.
+      int64_t pf_n = 0;
+      if (t0 + bs < L) {
+        pf_n = prefetch_block(table[t0 / bs + 1], h0, nh, bs, nr == 1);
+      } else if (nr == 1 && task + 1 < end) {
+        const int64_t h1 = ((task + 1) % splits) * per, r1 = a.tiles[(task + 1) / splits + 1] - 1;
+        pf_n = prefetch_block(a.tables[r1 * table_stride], h1, std::min(Hkv, h1 + per) - h1,
+                              std::min<int64_t>(bs, lens[r1]), true);
       }
-      if (WIDEN && nr == 1) {  // a lone row (decode) widens as it reads: no scratch pass
+      if (nr == 1) {  // a lone row (decode) reads the cache in place, bf16 widened as it reads: no scratch pass
         const int64_t nt = std::min<int64_t>(n, lens[r0] - t0);
-        const RowState s{qv, accv, sv, mv, lv};
+        const RowState s{qv, accv, sv, mv, lv, pf.data(), pf_n};
         row_block<scalar_t, D_FIXED, SIMD>(s, kb, vb, row_stride, nt, nh, G, D, bs);
         continue;
       }
