@@ -213,23 +213,18 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
   float* const sv = accv + lines(R * X * D);
   float* const mv = sv + lines(R * X * bs);
   float* const lv = mv + lines(R * X);
-  // A lone row's prefetches, handed to row_block: the next block's K and V lines for our heads.
+  // The next block's K and V lines for our heads, queued for row_block to ask for while it computes.
   thread_local std::vector<const char*> pf;
   const int64_t row_lines = (per * D * int64_t(sizeof(scalar_t)) + 63) / 64;
   if (pf.size() < size_t(2 * bs * row_lines)) pf.resize(2 * bs * row_lines);
-  // A block's first n rows for heads [hs, hs + nhs): queued for a lone row, asked for now for a tile.
-  const auto prefetch_block = [&](int64_t block, int64_t hs, int64_t nhs, int64_t n, bool queue) {
+  // Queues a block's first n rows for heads [hs, hs + nhs); returns how many lines.
+  const auto queue_block = [&](int64_t block, int64_t hs, int64_t nhs, int64_t n) {
     const int64_t base = (block * bs * Hkv + hs) * D, bytes = nhs * D * int64_t(sizeof(scalar_t));
     int64_t m = 0;
     for (int64_t i = 0; i < n; ++i)
       for (int64_t o = 0; o < bytes; o += 64) {
-        const char* k = (const char*)(k_ptr + base + i * row_stride) + o;
-        const char* v = (const char*)(v_ptr + base + i * row_stride) + o;
-        if (queue) {
-          pf[m++] = k, pf[m++] = v;
-        } else {
-          __builtin_prefetch(k), __builtin_prefetch(v);
-        }
+        pf[m++] = (const char*)(k_ptr + base + i * row_stride) + o;
+        pf[m++] = (const char*)(v_ptr + base + i * row_stride) + o;
       }
     return m;
   };
@@ -259,14 +254,14 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
       const scalar_t* __restrict__ vb = v_ptr + base;
       const int64_t n = std::min(bs, L - t0);
       // The next block sits elsewhere in the cache: its rows (our heads) are fetched while this one
-      // computes; a lone row's last block fetches the next task's first.
+      // computes; the last block fetches the next task's first.
       int64_t pf_n = 0;
       if (t0 + bs < L) {
-        pf_n = prefetch_block(table[t0 / bs + 1], h0, nh, bs, nr == 1);
-      } else if (nr == 1 && task + 1 < end) {
+        pf_n = queue_block(table[t0 / bs + 1], h0, nh, bs);
+      } else if (task + 1 < end) {
         const int64_t h1 = ((task + 1) % splits) * per, r1 = a.tiles[(task + 1) / splits + 1] - 1;
-        pf_n = prefetch_block(a.tables[r1 * table_stride], h1, std::min(Hkv, h1 + per) - h1,
-                              std::min<int64_t>(bs, lens[r1]), true);
+        pf_n =
+            queue_block(a.tables[r1 * table_stride], h1, std::min(Hkv, h1 + per) - h1, std::min<int64_t>(bs, lens[r1]));
       }
       if (nr == 1) {  // a lone row (decode) reads the cache in place, bf16 widened as it reads: no scratch pass
         const int64_t nt = std::min<int64_t>(n, lens[r0] - t0);
@@ -289,10 +284,15 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
       } else {
         kr = reinterpret_cast<const kv_t*>(kb), vr = reinterpret_cast<const kv_t*>(vb), stride = row_stride;
       }
-      for (int64_t r = 0; r < nr; ++r) {
+      for (int64_t r = 0; r < nr; ++r) {  // the tile's rows share the prefetches
         const int64_t nr_tokens = std::min<int64_t>(n, lens[r0 + r] - t0);
-        if (nr_tokens <= 0) continue;
-        const RowState s{qv + r * X * D, accv + r * X * D, sv + r * X * bs, mv + r * X, lv + r * X};
+        const int64_t p0 = pf_n * r / nr, p1 = pf_n * (r + 1) / nr;
+        if (nr_tokens <= 0) {
+          for (int64_t i = p0; i < p1; ++i) __builtin_prefetch(pf[i]);
+          continue;
+        }
+        const RowState s{qv + r * X * D, accv + r * X * D, sv + r * X * bs, mv + r * X,
+                         lv + r * X,     pf.data() + p0,   p1 - p0};
         row_block<kv_t, D_FIXED, SIMD>(s, kr, vr, stride, nr_tokens, nh, G, D, bs);
       }
     }
