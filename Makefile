@@ -12,6 +12,7 @@ install: $(VENV)/.installed
 ## Run the whole test suite (unit, kernels under TRITON_INTERPRET=1, engine vs HF, end-to-end tritonserver).
 test: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check --exclude '*.md' .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/clang-format --dry-run --Werror csrc/cpu/*
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -22,6 +23,7 @@ serve: install
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check --exclude '*.md' .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/clang-format --dry-run --Werror csrc/cpu/*
 

@@ -212,6 +212,7 @@ BF16_PER_ROW = pytest.param(
     marks=pytest.mark.skipif(torch.cuda.is_available(), reason="bf16 chunk and decode kernels differ in bits on a GPU"),
 )
 
+
 def run(demo_model_dir, prompts, params, spec=None, proposer=None, step_cost=None, **engine_args):
     """Every prompt to completion; (token ids per prompt, the engine). `step_cost(StepCost)` sets up the cost."""
     engine_args.setdefault("dtype", "float32")

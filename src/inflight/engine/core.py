@@ -221,4 +221,3 @@ class EngineCore:
         if stats is not None:
             record = dataclasses.asdict(stats) | {"wall_time": time.time()}
             self.step_log.write(json.dumps(record) + "\n")
-

@@ -516,7 +516,6 @@ class LLMEngine:
             self.spec_decoder.observe_step(sched.total_tokens, self.last_step_stats.step_time_s)
 
 
-
 def tokenize_prompt(tokenizer, prompt: str, max_prompt_bytes: int, max_model_len: int) -> list[int]:
     """Prompt text -> token ids, bounded by max_prompt_bytes (the front of a server calls it too)."""
     if not prompt:

@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         prefill_load_scale=ns.prefill_load_scale,
         frontend_args=shlex.split(ns.frontend_args),
     )
+
     def on_signal(signum, frame):
         raise KeyboardInterrupt  # also where SIGINT was ignored (a background job of a non-interactive shell)
 

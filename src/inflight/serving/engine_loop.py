@@ -86,7 +86,6 @@ class _Route:
         self.ended = False
 
 
-
 # The restart bound: a core that dies more than MAX_RESTARTS times within RESTART_WINDOW_S is not restarted
 # again (a crash loop); the k-th restart in the window waits RESTART_BACKOFF_S * 2**(k-1) first.
 MAX_RESTARTS = 3

@@ -281,4 +281,3 @@ def _make_metrics(labels: dict[str, str]) -> TritonMetrics | None:
     except pb_utils.TritonModelException as e:  # the server runs with --allow-metrics=false
         log.warning("metrics disabled: %s", e)
         return None
-

@@ -279,4 +279,3 @@ class SuffixProposer:
         g.add_sequence(output)
         while len(g) > self.max_cached_requests:
             g.pop_oldest()
-
