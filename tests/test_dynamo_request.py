@@ -25,6 +25,7 @@ def test_sampling_parameters_map_dynamo_fields_to_ours():
     }
     params = sampling_parameters(request)
     assert params == {
+        "detokenize": False,  # Dynamo's frontend makes the text: the model sends token ids only
         "temperature": 0.5,
         "top_p": 0.9,
         "top_k": 20,

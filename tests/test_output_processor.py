@@ -105,3 +105,21 @@ def test_the_finishing_token_may_complete_a_stop_string_and_held_text_is_flushed
         else:
             assert mid.new_text + out.new_text == TEXT[: ends[n - 1]] and out.finish_reason == "length"
         assert last.reqs_to_abort == []
+
+
+def test_a_request_without_detokenize_passes_its_tokens_through_with_no_text(tokenizer):
+    # detokenize=False (a client that makes the text itself): no text, every token and the finish as the engine
+    # gave them, beside a request with text in the same call. Stop strings need the text: refused.
+    prompt, ids = tokenizer.encode(PROMPT).ids, tokenizer.encode(TEXT).ids
+    plain = RequestState(tokenizer, prompt, SamplingParams(detokenize=False))
+    texted = RequestState(tokenizer, prompt, SamplingParams())
+    assert plain.detokenizer is None
+    outs = [_output("a", ids[:3], None, 0.0, 3), _output("b", ids[:3], None, 0.0, 3)]
+    a, b = process_outputs([plain, texted], outs).request_outputs
+    assert (a.new_text, a.new_token_ids) == ("", ids[:3]) and b.new_token_ids == ids[:3] and b.new_text
+    final = _output("a", ids[3:5], None, 0.0, 5, finished=True, finish_reason="length")
+    last = process_outputs([plain], [final])
+    out = last.request_outputs[0]
+    assert (out.new_text, out.new_token_ids, out.finish_reason, last.reqs_to_abort) == ("", ids[3:5], "length", [])
+    with pytest.raises(ValueError, match="stop=.*detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)

@@ -140,6 +140,9 @@ class SamplingParams:
     guided_json_object: bool | None = None
     include_stop_str_in_output: bool = False  # keep the stop string / stop token's text that ended the output
     skip_special_tokens: bool = True
+    # False: token ids only, no text (a client that detokenizes itself, such as Dynamo's frontend); stop strings
+    # are matched on the text, so they need it.
+    detokenize: bool = True
     # Accepted for vLLM compatibility; the `tokenizers` decoder decides the spacing of special tokens.
     spaces_between_special_tokens: bool = True
     n: int = 1  # sequences per request: only 1 (send n requests for n samples)
@@ -183,6 +186,8 @@ class SamplingParams:
             _fail("best_of", self.best_of, "1 or null: one sequence per request (send best_of requests)")
         if any(s == "" for s in self.stop):
             _fail("stop", self.stop, "non-empty strings")
+        if self.stop and not self.detokenize:
+            _fail("stop", self.stop, "empty when detokenize is false (stop strings are matched on the text)")
         if any(t < 0 for t in self.stop_token_ids):
             _fail("stop_token_ids", self.stop_token_ids, "non-negative token ids")
 

@@ -1,6 +1,6 @@
 """The prompt as token ids (`input_ids`) and the output as token ids (`token_ids`), the way Dynamo's worker
 (inflight.serving.dynamo) talks to the model: the same tokens as the text prompt, greedy; the counts and the
-prefix-cache hits come back; a bad prompt is INVALID_ARG naming its field."""
+prefix-cache hits come back; with `detokenize` false, no text; a bad prompt is INVALID_ARG naming its field."""
 
 from __future__ import annotations
 
@@ -33,6 +33,9 @@ def test_token_ids_in_and_out_match_the_text_path(server, offline_llm):
     assert offline_llm.tokenizer.decode(out_b) == text_b
     # the second request with the same prompt finds its full blocks in the prefix cache
     assert outs_b[-1].num_cached_tokens >= 16
+    # detokenize false (what the worker asks for: Dynamo makes the text): the same tokens, no text
+    text_c, out_c, outs_c = asyncio.run(_collect(server.grpc_url, ids, params | {"detokenize": False}))
+    assert out_c == out_b and text_c == "" and outs_c[-1].final
 
 
 @pytest.mark.parametrize("ids, field", [([], "input_ids"), ([10**9], "prompt")])

@@ -6,6 +6,7 @@ string's text is not output unless include_stop_str_in_output; it must end in th
 first min_tokens; a stop token's text is not output either; held-back text is flushed at a finish, where it
 may still complete a stop string). A stop string ends the request at the token whose text completed it:
 tokens, logprobs and counts after it are cut, and the engine is told to abort it (it may have run further).
+A request with `detokenize=False` passes through with no text.
 The front runs it on the engine core process's step messages; an in-process LLMEngine runs it on its own.
 """
 
@@ -27,8 +28,12 @@ class RequestState:
     __slots__ = ("cumulative_logprob", "detokenizer", "min_tokens", "num_output_tokens", "skip_stop_token_text")
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        self.detokenizer = (
+            IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+            )
+            if params.detokenize
+            else None
         )
         self.min_tokens = params.min_tokens
         self.skip_stop_token_text = not params.include_stop_str_in_output
@@ -37,7 +42,7 @@ class RequestState:
 
     @property
     def stopped(self) -> bool:
-        return self.detokenizer.stopped
+        return self.detokenizer is not None and self.detokenizer.stopped
 
 
 @dataclass
@@ -54,7 +59,8 @@ def process_outputs(states: list[RequestState], outputs: list[RequestOutput]) ->
     texts: list[list[str]] = [[] for _ in range(n)]
     kept = [len(out.new_token_ids) for out in outputs]  # tokens let through: all, unless a stop string cuts
     r = 0
-    while live := [i for i in range(n) if r < len(outputs[i].new_token_ids) and not states[i].stopped]:
+    texted = [i for i in range(n) if states[i].detokenizer is not None]
+    while live := [i for i in texted if r < len(outputs[i].new_token_ids) and not states[i].stopped]:
         feeds, checks = [], []
         for i in live:
             out, state = outputs[i], states[i]
@@ -73,7 +79,7 @@ def process_outputs(states: list[RequestState], outputs: list[RequestOutput]) ->
             if not out.finished:
                 reqs_to_abort.append(out.request_id)
             out = _cut(out, state, num_kept)
-        elif out.finished and out.error is None and out.finish_reason != "abort":
+        elif out.finished and out.error is None and out.finish_reason != "abort" and state.detokenizer is not None:
             past_min = state.num_output_tokens + len(out.new_token_ids) > state.min_tokens
             rest, stop_hit = state.detokenizer.flush(check_stop=past_min)
             text.append(rest)

@@ -22,11 +22,12 @@ _STOP_KEYS = ("max_tokens", "min_tokens", "ignore_eos")
 
 def sampling_parameters(request: dict[str, Any], default_max_tokens: int | None = None) -> dict[str, Any]:
     """The model's `sampling_parameters` for one Dynamo request. Stop strings stay with Dynamo (its
-    backend decoder matches them on the detokenized stream, as for vLLM and SGLang workers); the hidden stop
-    token ids (the model's EOS variants from its generation config) become `stop_token_ids`."""
+    backend decoder matches them on the detokenized stream, as for vLLM and SGLang workers), which also makes
+    the text: the model sends token ids only (`detokenize` false). The hidden stop token ids (the model's EOS
+    variants from its generation config) become `stop_token_ids`."""
     sampling = request.get("sampling_options") or {}
     stops = request.get("stop_conditions") or {}
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = {"detokenize": False}
     for key in _SAMPLING_KEYS:
         value = sampling.get(key)
         if value is not None:
