@@ -12,7 +12,7 @@ import pytest
 from e2e_util import ENGINE_ARGS, wait_for
 from inflight_client import InferenceError, LLMClient
 
-from inflight.launcher.server import LauncherError, TritonServer, default_model_repository, free_port
+from inflight.launcher.server import LauncherError, TritonServer, default_model_repository, free_ports
 
 # The real model with one fault in the engine its core process builds: once a request asks for
 # max_tokens=13, every engine step raises (the device is "lost"), so the core's recovery fails too.
@@ -82,7 +82,7 @@ def test_inflight_serve_exits_when_the_model_is_no_longer_ready(demo_model_dir, 
     repo = tmp_path / "repo"
     shutil.copytree(default_model_repository(), repo, ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "llm" / "1" / "model.py").write_text(BREAKABLE_MODEL)
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", demo_model_dir, "--model-repository",
            str(repo), "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
            "--openai-port", "0", "--max-num-seqs", "2", "--num-kv-blocks", "16"]  # fmt: skip

@@ -16,7 +16,7 @@ from e2e_util import wait_for
 from helpers import PROMPTS
 
 from inflight import SamplingParams
-from inflight.launcher.server import LauncherError, TritonServer, free_port
+from inflight.launcher.server import LauncherError, TritonServer, free_port, free_ports
 
 
 def test_client_cli_streams_text(server, offline_llm):
@@ -52,7 +52,7 @@ def test_bad_engine_parameter_fails_model_load_naming_it(tmp_path):
 
 
 def test_inflight_serve_starts_and_stops_on_ctrl_c(demo_model_dir, tmp_path):
-    http, grpc, metrics, api = free_port(), free_port(), free_port(), free_port()
+    http, grpc, metrics, api = free_ports(4)
     # --model relative to where the command runs (tritonserver's Python backend runs elsewhere)
     model = Path(demo_model_dir)
     cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", model.name, "--http-port", str(http),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from e2e_util import wait_for
 
-from inflight.launcher.server import free_port
+from inflight.launcher.server import free_ports
 
 
 def _children(pid: int) -> list[tuple[int, str, bool]]:
@@ -41,7 +41,7 @@ def _generate(http: int) -> bytes | None:
 
 
 def test_serve_reloads_the_model_when_its_stub_is_killed(demo_model_dir, tmp_path):
-    http, grpc, metrics = free_port(), free_port(), free_port()
+    http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
            "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--max-num-seqs", "2", "--num-kv-blocks", "6",
            "--max-model-len", "128", "--openai-port", "0"]  # fmt: skip

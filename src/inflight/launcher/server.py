@@ -28,7 +28,7 @@ from tritonclient.grpc import model_config_pb2
 
 from inflight.launcher.triton_dist import LauncherError, find_server, prepare_backends, server_env
 
-__all__ = ["LauncherError", "StubWatch", "TritonServer", "free_port", "serve", "write_model_repository"]
+__all__ = ["LauncherError", "StubWatch", "TritonServer", "free_port", "free_ports", "serve", "write_model_repository"]
 
 MODEL_NAME = "llm"
 # `serve` checks the model's readiness this often and exits after this many failures in a row.
@@ -52,10 +52,21 @@ def default_model_repository() -> Path:
     return Path(__file__).resolve().parents[3] / "model_repository"
 
 
+def free_ports(n: int) -> list[int]:
+    """n distinct free ports: each is held until all are picked (a port released by one pick may come back
+    from the next)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 # ---- preparing the run directory --------------------------------------------------------------------
@@ -116,9 +127,10 @@ class TritonServer:
     ) -> None:
         self.source = Path(model_repository) if model_repository else default_model_repository()
         self.parameters = dict(parameters or {})
-        self.http_port = http_port or free_port()
-        self.grpc_port = grpc_port or free_port()
-        self.metrics_port = metrics_port or free_port()
+        picked = iter(free_ports(3))  # the ones not given (0) are picked together: distinct
+        self.http_port = http_port or next(picked)
+        self.grpc_port = grpc_port or next(picked)
+        self.metrics_port = metrics_port or next(picked)
         self.log_path = Path(log) if log else None
         self.log_verbose = log_verbose
         self.exit_timeout_s = exit_timeout_s
