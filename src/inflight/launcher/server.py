@@ -127,7 +127,7 @@ class TritonServer:
     ) -> None:
         self.source = Path(model_repository) if model_repository else default_model_repository()
         self.parameters = dict(parameters or {})
-        picked = iter(free_ports(3))  # the ones not given (0) are picked together: distinct
+        picked = iter(free_ports(sum(not p for p in (http_port, grpc_port, metrics_port))))  # those not given, together
         self.http_port = http_port or next(picked)
         self.grpc_port = grpc_port or next(picked)
         self.metrics_port = metrics_port or next(picked)
