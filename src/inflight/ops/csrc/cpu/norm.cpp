@@ -14,22 +14,18 @@ static void rms_norm_rows_bf16(c10::BFloat16* out, int64_t os, c10::BFloat16* x,
                                int64_t rs, const c10::BFloat16* w, int64_t H, float eps, int64_t begin, int64_t end) {
   for (int64_t r = begin; r < end; ++r) {
     c10::BFloat16* src = x + r * xs;
+    c10::BFloat16* rr = res != nullptr ? res + r * rs : nullptr;
     __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    if (res != nullptr) {  // residual <- x + residual, rounded to bf16 as HF adds
-      c10::BFloat16* rr = res + r * rs;
-      for (int64_t i = 0; i < H; i += 16) {
-        const __m256i v = round16(_mm512_add_ps(load16(src + i), load16(rr + i)));
+    for (int64_t i = 0; i < H; i += 16) {
+      __m512 f = load16(src + i);
+      if (rr != nullptr) {  // residual <- x + residual, rounded to bf16 as HF adds
+        const __m256i v = round16(_mm512_add_ps(f, load16(rr + i)));
         _mm256_storeu_si256((__m256i*)(rr + i), v);
-        const __m512 f = load16(rr + i);
-        acc[(i / 16) % 4] = _mm512_fmadd_ps(f, f, acc[(i / 16) % 4]);
+        f = widen16(v);
       }
-      src = rr;
-    } else {
-      for (int64_t i = 0; i < H; i += 16) {
-        const __m512 f = load16(src + i);
-        acc[(i / 16) % 4] = _mm512_fmadd_ps(f, f, acc[(i / 16) % 4]);
-      }
+      acc[(i / 16) % 4] = _mm512_fmadd_ps(f, f, acc[(i / 16) % 4]);
     }
+    if (rr != nullptr) src = rr;
     const float ss = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
     const __m512 inv = _mm512_set1_ps(1.f / std::sqrt(ss / float(H) + eps));
     c10::BFloat16* o = out + r * os;

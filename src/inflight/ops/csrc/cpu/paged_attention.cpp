@@ -52,7 +52,7 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
     constexpr int C = D_FIXED / 16;
     // The prefetches go out a share per score pass: all at once they would stall on the core's few
     // outstanding misses instead of overlapping this block's arithmetic.
-    const int64_t share = (s.pf_n + nh * G * ((n + 15) / 16) - 1) / (nh * G * ((n + 15) / 16));
+    const int64_t passes = nh * G * ((n + 15) / 16), share = (s.pf_n + passes - 1) / passes;
     int64_t pf_i = 0;
     for (int64_t hh = 0; hh < nh; ++hh) {
       for (int64_t i0 = 0; i0 < n; i0 += 16) {
