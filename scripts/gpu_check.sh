@@ -4,6 +4,7 @@
 # GPU), engine (the engine against HF and the torch backend on CUDA), bench_kernels (achieved bandwidth),
 # bench_engine (the batching benchmark on CUDA with a ~1B model, vs HF generate on the same GPU),
 # decode_step (that model's forward alone against the GPU's floors, and its kernel time vs launch time),
+# graphs (the batching trace with CUDA graphs against eager launches, alternating rounds),
 # serving (not in the default list: the served path through a real tritonserver vs in-process, on CUDA).
 # `serving` needs what that machine lacks, carried in .whl/ (listed in .git/info/exclude; ~60 MB, under the
 # device tool's 64 MiB): the nvidia-pytriton 0.7.0 wheel without its Python 3.13 library and the other
@@ -21,7 +22,7 @@ LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 export PYTHONPATH="$PWD/src:$PWD/client:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 PY=${PY:-python3}
-STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine decode_step"}
+STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine decode_step graphs"}
 ENGINE_MODEL=${ENGINE_MODEL:-llama1b}  # ENGINE_ARGS: more bench_batching arguments (default: --skip overhead)
 status=0
 
@@ -47,9 +48,9 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
     kernels)
         stage kernels 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels -k "not cpu" ;;
     engine)
-        stage engine 240 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernel_engine.py \
+        stage engine 300 "$PY" -m pytest -q -p no:cacheprovider tests/kernels/test_kernel_engine.py \
             tests/test_engine_reference.py tests/test_bf16_reference.py tests/test_prefix_cache.py \
-            tests/test_cuda_graphs.py ;;
+            tests/test_cuda_graphs.py tests/test_spec_decode.py -k "not generated_mix and not metrics" ;;
     bench_kernels)
         stage bench_kernels 200 "$PY" -m benchmarks.kernels.bench_kernels --batches 1 4 16 64 256 --contexts 512 2048 8192 \
             --json "$LOGS/bench_kernels.json" ;;
@@ -59,6 +60,9 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
     decode_step)
         stage decode_step 300 "$PY" -m benchmarks.engine.bench_decode_step --device cuda --model "$ENGINE_MODEL" \
             --dtype bfloat16 --batch 1 16 64 256 --context 1024 --prefill 1024 --profile --profile-batch 64 ;;
+    graphs)
+        stage graphs 300 "$PY" -m benchmarks.engine.bench_graphs --model "$ENGINE_MODEL" --dtype bfloat16 \
+            --rounds "${GRAPH_ROUNDS:-2}" --out "$LOGS/graphs.json" ;;
     serving)
         site=/tmp/gpu-check-site
         rm -rf "$site" && mkdir -p "$site"

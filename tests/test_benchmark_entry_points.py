@@ -271,6 +271,18 @@ def test_bench_decode_step(demo_model_dir):
     assert "float32: copy bandwidth" in text and "prefill 16 tokens" in text
 
 
+def test_bench_graphs_alternates_eager_and_graph_rounds(demo_model_dir, tmp_path):
+    # On a CPU both modes are eager (graphs need a GPU): this checks the rounds and the step split only.
+    out = tmp_path / "graphs.json"
+    args = ["--model", demo_model_dir, "--device", "cpu", "--dtype", "float32", "--num-requests", "12"]
+    run("benchmarks.engine.bench_graphs", *args, "--max-num-seqs", "4", "--rounds", "2", "--out", str(out))
+    result = json.loads(out.read_text())
+    modes = [(r["round"], r["mode"]) for r in result["rows"]]
+    assert modes == [(0, "eager"), (0, "graphs"), (1, "eager"), (1, "graphs")]
+    assert all(r["decode_steps"] > 0 and r["mixed_steps"] > 0 for r in result["rows"])
+    assert len(result["graphs_over_eager"]) == 2
+
+
 def test_bench_spec_decode_outputs_are_identical_with_and_without(demo_model_dir, tmp_path):
     out = tmp_path / "spec.json"
     run("benchmarks.engine.bench_spec_decode", "--quick", "--model", demo_model_dir, "--out", str(out))

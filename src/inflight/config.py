@@ -210,7 +210,7 @@ class EngineConfig:
     scheduling_policy: str = "continuous"
     kv_reservation: str = "paged"
     attention_backend: str = "auto"
-    enforce_eager: bool = False  # GPU: launch every decode step's kernels from Python instead of CUDA graphs
+    enforce_eager: bool = False  # GPU: launch every step's kernels from Python instead of replaying CUDA graphs
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
     # vLLM's kv_events_config (a dict or its JSON text): publish the prefix cache's changes for KV-aware routers

@@ -17,7 +17,7 @@ import torch
 from inflight import omp
 from inflight.executor.attention import AttentionMetadata, get_backend
 from inflight.executor.cpu_forward import CpuForward
-from inflight.executor.cuda_graphs import CudaGraphRunner
+from inflight.executor.cuda_graphs import CudaGraphRunner, PiecewiseGraphRunner
 from inflight.executor.input_batch import BatchInputs, InputBatch
 from inflight.executor.sampler import SamplingMetadata
 from inflight.models.llama import LlamaForCausalLM
@@ -111,13 +111,18 @@ class ModelRunner:
         # The layer stack as one C++ call a step where it covers the model (CPU, our GEMM, the C++ ops).
         self.cpu_forward = CpuForward(model, self.kv_caches) if CpuForward.supported(model, self.ops) else None
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_num_batched_tokens, block_size, device)
-        # Decode steps replayed from CUDA graphs where the kernels are compiled (not under the interpreter).
-        self.cuda_graphs = None
+        # Steps replayed from CUDA graphs where the kernels are compiled (not under the interpreter): decode
+        # steps whole, the others in pieces around attention.
+        self.cuda_graphs = self.piecewise_graphs = None
         if device.type == "cuda" and attention_backend == "triton" and not enforce_eager:
             max_blocks = self.input_batch.block_table.cpu.shape[1]
             max_decode = min(max_num_seqs, max_num_batched_tokens)
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, self.ops, max_decode, max_blocks, device)
             self.cuda_graphs.capture_all()
+            self.piecewise_graphs = PiecewiseGraphRunner(
+                model, self.kv_caches, self.ops, max_num_batched_tokens, device, pool=self.cuda_graphs.pool
+            )
+            self.piecewise_graphs.capture_all()
         self.max_threads = torch.get_num_threads()
         passive = omp.threads_sleep()
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
@@ -150,6 +155,8 @@ class ModelRunner:
             return self.cpu_forward(input_ids, positions, meta)
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids, meta):
             return self.cuda_graphs.run(input_ids, positions, meta)
+        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(len(input_ids)):
+            return self.piecewise_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta, self.kv_caches, self.ops)
 
     @torch.inference_mode()

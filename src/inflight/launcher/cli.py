@@ -33,7 +33,7 @@ _HELP = {
     "max_model_len": "longest prompt + output (default: the checkpoint's)",
     "seed": "seed for requests that bring none",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: on)",
-    "enforce_eager": "GPU: launch decode steps' kernels one by one instead of replaying CUDA graphs (default: off)",
+    "enforce_eager": "GPU: launch every step's kernels one by one instead of replaying CUDA graphs (default: off)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix", "num_speculative_tokens": 8}\' '
     "(default: off)",
