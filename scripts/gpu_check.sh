@@ -25,6 +25,13 @@ PY=${PY:-python3}
 STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine decode_step graphs"}
 ENGINE_MODEL=${ENGINE_MODEL:-llama1b}  # ENGINE_ARGS: more bench_batching arguments (default: --skip overhead)
 status=0
+# The engine itself imports msgspec and pyzmq (its KV events, its core process), which that machine lacks.
+site=/tmp/gpu-check-site
+rm -rf "$site" && mkdir -p "$site"
+if compgen -G ".whl/msgspec-*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/msgspec-*.whl .whl/pyzmq-*.whl
+    export PYTHONPATH="$site:$PYTHONPATH"
+fi
 
 stage() {  # name, timeout seconds, command...
     local name=$1 limit=$2
@@ -64,8 +71,6 @@ print(p.name, p.multi_processor_count, \"SMs\", p.total_memory >> 20, \"MiB\")'"
         stage graphs 300 "$PY" -m benchmarks.engine.bench_graphs --model "$ENGINE_MODEL" --dtype bfloat16 \
             --rounds "${GRAPH_ROUNDS:-2}" --out "$LOGS/graphs.json" ;;
     serving)
-        site=/tmp/gpu-check-site
-        rm -rf "$site" && mkdir -p "$site"
         "$PY" - "$site" <<'PYEOF'
 import os, sys, zipfile
 site = sys.argv[1]
@@ -76,13 +81,12 @@ with zipfile.ZipFile(".whl/pytriton_trim.zip") as z:
         if mode:
             os.chmod(path, mode & 0o7777)
 PYEOF
-        "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/tritonclient-*.whl .whl/python_rapidjson-*.whl \
-            .whl/msgspec-*.whl .whl/pyzmq-*.whl
+        "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/tritonclient-*.whl .whl/python_rapidjson-*.whl
         # What an editable install does: the backend stub's Python finds this checkout through a .pth in the
         # environment's site dir (it does not see PYTHONPATH).
         purelib=$("$PY" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
         printf '%s\n' "$site" "$PWD/src" "$PWD/kernels" "$PWD/client" "$PWD" >"$purelib/inflight_gpu_check.pth"
-        stage serving 480 env PYTHONPATH="$site:$PYTHONPATH" PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" \
+        stage serving 480 env PIP_NO_INDEX=1 PIP_FIND_LINKS="$PWD/.whl" \
             "$PY" -m benchmarks.serving.serving_overhead --device cuda --model "$ENGINE_MODEL" --dtype bfloat16 \
             --max-num-seqs 64 --out "$LOGS/serving"
         tail -n 30 "$LOGS/serving/tritonserver.log" 2>/dev/null ;;
