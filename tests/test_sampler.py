@@ -109,6 +109,19 @@ def test_token_depends_only_on_row_params_seed_and_step(target):
             assert sample(logits, batch).token_ids[pos].item() == alone
 
 
+def test_a_window_and_the_whole_vocabulary_give_a_token_the_same_noise():
+    # top_k = V - 1 over a row whose last token can never win allows what the plain row allows: the windowed
+    # path (the best ids sorted, their noise gathered) and the one-pass path over the whole vocabulary must
+    # pick the same token for every seed (on a CPU they are two implementations of one noise).
+    vocab = 300
+    row = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    row[0, -1] = -1e4
+    for s in range(40):
+        plain = sample(row, [seq(SamplingParams(temperature=1.0), seed=s)]).token_ids.item()
+        windowed = sample(row, [seq(SamplingParams(temperature=1.0, top_k=vocab - 1), seed=s)]).token_ids.item()
+        assert plain == windowed
+
+
 def test_seeds_and_steps_give_different_streams():
     row = torch.zeros(1, 1000)  # uniform: the token is decided by the noise alone
     p = SamplingParams(temperature=1.0)

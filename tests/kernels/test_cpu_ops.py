@@ -241,3 +241,63 @@ def test_argmax_nan_inf_and_strided_rows():
     wide = torch.randn(8, 200)
     wide[:, 150:] = 1e9  # padded vocabulary columns outside the view
     assert torch.equal(cpu.argmax(wide[:, :150]), wide[:, :150].argmax(-1))
+
+
+def _torch_gumbel_noise(keys: torch.Tensor, hashed: torch.Tensor) -> torch.Tensor:
+    """The sampler's noise as torch ops (its GPU path): lowbias32, u = x / 2**32 clamped, -log(-log1p(-u))."""
+    x = keys[:, None] ^ hashed
+    for shift, mul in ((16, 0x7FEB352D), (15, 0x846CA68B - (1 << 32)), (16, None)):
+        x = x ^ (x >> shift)
+        if mul is not None:
+            x = (x * mul) & 0xFFFFFFFF
+    f = x.to(torch.float32).mul_(-(2.0**-32)).clamp_(-(1.0 - 2.0**-24), -(2.0**-33))
+    return f.log1p_().neg_().log_().neg_()
+
+
+def _keys_and_hashes(rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from inflight.executor.sampler import id_hashes, row_keys
+
+    keys = row_keys(torch.arange(rows, dtype=torch.int64) * 7919 + (1 << 40), torch.arange(rows, dtype=torch.int64))
+    return keys, id_hashes(torch.arange(vocab))
+
+
+@needs_op
+@pytest.mark.parametrize("shape", [(1, 5), (3, 16), (32, 49152), (4, 33)])
+def test_gumbel_noise_is_the_samplers_formula(shape):
+    keys, hashed = _keys_and_hashes(*shape)
+    ref = _torch_gumbel_noise(keys, hashed)
+    native = cpu.gumbel_noise(keys, hashed.to(torch.int32))
+    # The same hash and clamp; log1p and log from SLEEF (torch's CPU kernels may take MKL's): within ulps.
+    torch.testing.assert_close(native, ref, rtol=1e-6, atol=1e-6)
+    assert bool(native.isfinite().all()) and float(native.max()) < 22.9 and float(native.min()) > -2.9
+    # A token's noise does not depend on where it sits: the vocabulary's order or a window's.
+    order = torch.randperm(shape[1])
+    window = cpu.gumbel_noise(keys, hashed[order].expand(shape[0], -1).contiguous().to(torch.int32))
+    assert torch.equal(window, native[:, order])
+
+
+@needs_op
+@pytest.mark.parametrize("shape", [(1, 5), (3, 16), (32, 49152), (7, 1000), (2, 1)])
+def test_gumbel_argmax_is_the_argmax_of_scaled_logits_plus_noise(shape):
+    keys, hashed = _keys_and_hashes(*shape)
+    h32 = hashed.to(torch.int32)
+    noise = cpu.gumbel_noise(keys, h32)
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(shape[1])) * 3
+    temps = torch.linspace(0.3, 1.7, shape[0])
+    ones = torch.ones(shape[0])
+    assert torch.equal(cpu.gumbel_argmax(logits, ones, keys, h32, None), (logits + noise).argmax(-1))
+    scaled = logits / temps[:, None]  # the division rounds as torch's: the scores are the same bits
+    assert torch.equal(cpu.gumbel_argmax(logits, temps, keys, h32, None), (scaled + noise).argmax(-1))
+    floor = scaled.max(-1).values - 1
+    masked = (scaled + noise).masked_fill(scaled < floor[:, None], -float("inf"))
+    assert torch.equal(cpu.gumbel_argmax(logits, temps, keys, h32, floor), masked.argmax(-1))
+    odd = logits.clone()
+    odd[:, ::3] = -float("inf")
+    odd[0, 4 % shape[1]] = odd[-1, -1] = float("nan")  # torch answers a row's first NaN
+    assert torch.equal(cpu.gumbel_argmax(odd, temps, keys, h32, None), (odd / temps[:, None] + noise).argmax(-1))
+    dead = torch.full(shape, -float("inf"))
+    assert cpu.gumbel_argmax(dead, temps, keys, h32, None).tolist() == [0] * shape[0]
+    wide = torch.randn(shape[0], shape[1] + 7) * 3  # rows of a padded vocabulary: strided
+    view = wide[:, : shape[1]]
+    expect = (view / temps[:, None] + noise).argmax(-1)
+    assert torch.equal(cpu.gumbel_argmax(view, temps, keys, h32, None), expect)

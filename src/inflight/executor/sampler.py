@@ -61,8 +61,14 @@ def id_hashes(ids: torch.Tensor) -> torch.Tensor:
     return _mix32_(ids.to(torch.int64) ^ _ID_SALT)
 
 
+def _native(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and cpu_ops.available()
+
+
 def gumbel_noise(keys: torch.Tensor, hashed_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise [R, N] for row keys [R] and hashed vocab ids ([N] or [R, N])."""
+    if _native(keys):  # one pass (gumbel.cpp), the same function as _gumbel_argmax's on a CPU
+        return cpu_ops.gumbel_noise(keys.contiguous(), hashed_ids.to(torch.int32).contiguous())
     x = _mix32_(keys[:, None] ^ hashed_ids)
     # -u with u = x / 2**32 kept inside (0, 1); E = -log1p(-u) is exact for small u, where the Gumbel
     # upper tail (rare tokens winning) is decided.
@@ -78,9 +84,17 @@ def _greedy(work: torch.Tensor) -> torch.Tensor:
 
 
 def _gumbel_argmax(
-    scaled: torch.Tensor, keys: torch.Tensor, hashed: torch.Tensor, floor: torch.Tensor | None = None
+    logits: torch.Tensor,
+    temps: torch.Tensor,
+    keys: torch.Tensor,
+    hashed: torch.Tensor,
+    floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """argmax(scaled + noise) per row over the whole vocabulary, among tokens >= the row's floor."""
+    """argmax(logits / temperature + noise) per row over the whole vocabulary, among tokens whose scaled logit
+    is >= the row's floor. On a CPU one pass a row (gumbel.cpp: the division rounds as torch's)."""
+    if _native(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        return cpu_ops.gumbel_argmax(logits, temps.contiguous(), keys.contiguous(), hashed.to(torch.int32), floor)
+    scaled = logits.float() / temps[:, None]
 
     def pick(rows: slice) -> torch.Tensor:
         score = gumbel_noise(keys[rows], hashed).add_(scaled[rows])
@@ -354,7 +368,6 @@ class Sampler:
         n, vocab = logits.shape
         dev = logits.device
         temps = torch.from_numpy(md.temperature).to(dev, torch.float32)
-        scaled = logits.float() / temps[:, None]
         keys = row_keys(torch.from_numpy(md.seeds).to(dev), torch.from_numpy(md.output_lens).to(dev))
         hashed = self._hashed_vocab(vocab, dev)
         token_ids = torch.empty(n, dtype=torch.int64, device=dev)
@@ -371,7 +384,9 @@ class Sampler:
             windows[size] = np.nonzero(sizes == size)[0].tolist()
         if plain:
             r = _rows(plain, n, dev)
-            token_ids[r] = _gumbel_argmax(scaled[r], keys[r], hashed)
+            token_ids[r] = _gumbel_argmax(logits[r], temps[r], keys[r], hashed)
+        # The windows and floors work on the scaled logits; plain rows scale as they are sampled.
+        scaled = logits.float() / temps[:, None] if windows else None
         # The window size of a row depends only on its params and its own logits: batch invariant.
         floor_rows, floors = [], []
         while windows:
@@ -386,7 +401,7 @@ class Sampler:
                 floors.append(floored[1])
         if floor_rows:
             r = _rows(floor_rows, n, dev)
-            token_ids[r] = _gumbel_argmax(scaled[r], keys[r], hashed, torch.cat(floors))
+            token_ids[r] = _gumbel_argmax(logits[r], temps[r], keys[r], hashed, torch.cat(floors))
         return token_ids
 
     def _sample_window(

@@ -129,6 +129,30 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def gumbel_noise(keys: torch.Tensor, hashed: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise fp32 [R, N] for row keys int64 [R] and hashed vocab ids int32 ([N] or [R, N]): the sampler's
+    hash and formula in one pass (gumbel.cpp)."""
+    out = torch.empty((keys.shape[0], hashed.shape[-1]), dtype=torch.float32)
+    with record("gumbel_noise"):
+        (_module or load()).gumbel_noise(out, keys, hashed)
+    return out
+
+
+def gumbel_argmax(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    keys: torch.Tensor,
+    hashed: torch.Tensor,
+    floor: torch.Tensor | None,
+) -> torch.Tensor:
+    """argmax(logits / temperature + gumbel_noise) per row of fp32 [R, V] (temperature fp32 [R], the division
+    torch's), among tokens whose scaled logit is >= the row's floor (None: all)."""
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    with record("gumbel_argmax"):
+        (_module or load()).gumbel_argmax(out, logits, temperature, keys, hashed, floor)
+    return out
+
+
 def llama_forward(
     out: torch.Tensor,  # [T, H]: the final norm's output
     h: torch.Tensor,  # [T, H]: the embeddings, used as scratch

@@ -13,6 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", torch::wrap_pybind_function(paged_attention), "paged_attention");
   m.def("linear", torch::wrap_pybind_function(linear), "linear");
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
+  m.def("gumbel_noise", torch::wrap_pybind_function(gumbel_noise), "gumbel_noise");
+  m.def("gumbel_argmax", torch::wrap_pybind_function(gumbel_argmax), "gumbel_argmax");
   m.def("supports_f32", torch::wrap_pybind_function(supports_f32), "supports_f32");
   m.def("supports_bf16", torch::wrap_pybind_function(supports_bf16), "supports_bf16");
   m.def("amx_for", torch::wrap_pybind_function(amx_for), "amx_for");

@@ -21,6 +21,9 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
 void linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
             int64_t min_macs_per_thread);
 void argmax_rows(at::Tensor out, at::Tensor logits);
+void gumbel_noise(at::Tensor out, at::Tensor keys, at::Tensor hashed);
+void gumbel_argmax(at::Tensor out, at::Tensor logits, at::Tensor temperature, at::Tensor keys, at::Tensor hashed,
+                   std::optional<at::Tensor> floor);
 bool supports_f32();
 bool supports_bf16();
 bool amx_for(int64_t K);
