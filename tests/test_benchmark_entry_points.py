@@ -252,8 +252,10 @@ def test_bench_prefix_cache_quick_hits_only_on_the_shared_trace(demo_model_dir, 
     assert (tmp_path / "kv_blocks.png").read_bytes()[:8] == PNG
 
 
-def test_bench_prepare_times_prepare_and_the_sampler():
-    text = run("benchmarks.engine.bench_prepare", "--num-seqs", "4", "--prompt-len", "20", "--steps", "3")
+@pytest.mark.parametrize("params", ["mixed", "sampled"])
+def test_bench_prepare_times_prepare_and_the_sampler(params):
+    args = ["--num-seqs", "4", "--prompt-len", "20", "--steps", "3", "--params", params]
+    text = run("benchmarks.engine.bench_prepare", *args)
     assert "decode: prepare" in text and "churn : prepare" in text and "sampler" in text
 
 
