@@ -39,14 +39,8 @@ static int64_t argmax_row(const float* x, int64_t n) {
     nan |= _mm512_cmpgt_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), abs_mask), inf_bits);
   }
   if (nan) return argmax_scalar(x, n);  // rare: the first NaN's index
-  alignas(64) float bv[16];
-  alignas(64) int32_t bi[16];
-  _mm512_store_ps(bv, best);
-  _mm512_store_epi32(bi, idx);
-  int64_t arg = bi[0];
-  float m = bv[0];
-  for (int l = 1; l < 16; ++l)  // the lanes' maxima: the largest, the first index among equals
-    if (bv[l] > m || (bv[l] == m && bi[l] < arg)) m = bv[l], arg = bi[l];
+  int64_t arg = argmax_lanes(best, idx);
+  float m = x[arg];
   for (int64_t i = whole; i < n; ++i) {  // the tail comes after every index above
     if (nan_bits(x[i])) return i;
     if (x[i] > m) m = x[i], arg = i;

@@ -45,6 +45,19 @@ static inline __m512 widen16(__m256i v) { return _mm512_castsi512_ps(_mm512_slli
 // Sixteen values as fp32 lanes: loaded, or bf16 widened.
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const c10::BFloat16* p) { return widen16(_mm256_loadu_si256((const __m256i*)p)); }
+// An argmax kept per lane (the best value of each lane, its index) reduced across lanes: the largest value, the
+// first index among equals (torch.argmax's answer).
+static inline int64_t argmax_lanes(__m512 best, __m512i idx) {
+  alignas(64) float bv[16];
+  alignas(64) int32_t bi[16];
+  _mm512_store_ps(bv, best);
+  _mm512_store_epi32(bi, idx);
+  int64_t arg = bi[0];
+  float m = bv[0];
+  for (int l = 1; l < 16; ++l)
+    if (bv[l] > m || (bv[l] == m && bi[l] < arg)) m = bv[l], arg = bi[l];
+  return arg;
+}
 #endif
 
 #define DISPATCH(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)

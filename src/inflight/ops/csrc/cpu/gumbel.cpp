@@ -138,15 +138,7 @@ int64_t argmax_row(const float* x, float t, uint32_t key, const int32_t* hashed,
     idx = _mm512_mask_mov_epi32(idx, gt, cur);
   }
   if (nan) return argmax_row_scalar(x, t, key, hashed, n, floor);
-  alignas(64) float bv[16];
-  alignas(64) int32_t bi[16];
-  _mm512_store_ps(bv, best);
-  _mm512_store_epi32(bi, idx);
-  int64_t arg = bi[0];
-  float m = bv[0];
-  for (int l = 1; l < 16 && l < n; ++l)
-    if (bv[l] > m || (bv[l] == m && bi[l] < arg)) m = bv[l], arg = bi[l];
-  return arg;
+  return argmax_lanes(best, idx);  // lanes past a short row hold -inf at indices past it: they never win
 #else
   return argmax_row_scalar(x, t, key, hashed, n, floor);
 #endif
