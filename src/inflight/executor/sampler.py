@@ -93,6 +93,7 @@ def _gumbel_argmax(
     """argmax(logits / temperature + noise) per row over the whole vocabulary, among tokens whose scaled logit
     is >= the row's floor. On a CPU one pass a row (gumbel.cpp: the division rounds as torch's)."""
     if _native(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
+        floor = None if floor is None else floor.float().contiguous()
         return cpu_ops.gumbel_argmax(logits, temps.contiguous(), keys.contiguous(), hashed.to(torch.int32), floor)
     scaled = logits.float() / temps[:, None]
 
