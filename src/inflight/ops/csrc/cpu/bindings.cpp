@@ -15,6 +15,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("gumbel_noise", torch::wrap_pybind_function(gumbel_noise), "gumbel_noise");
   m.def("gumbel_argmax", torch::wrap_pybind_function(gumbel_argmax), "gumbel_argmax");
+  m.def("gumbel_vector_logs", torch::wrap_pybind_function(gumbel_vector_logs), "gumbel_vector_logs");
   m.def("supports_f32", torch::wrap_pybind_function(supports_f32), "supports_f32");
   m.def("supports_bf16", torch::wrap_pybind_function(supports_bf16), "supports_bf16");
   m.def("amx_for", torch::wrap_pybind_function(amx_for), "amx_for");

@@ -42,13 +42,19 @@ __m512 each_lane(__m512 v) {
 float log1p_f(float x) { return std::log1p(x); }
 float log_f(float x) { return std::log(x); }
 
-// SLEEF's vector log1p and log (1.0 ulp), torch's own, looked up once in the loaded libtorch_cpu.
+// SLEEF's vector log1p and log (1.0 ulp), torch's own, looked up once in the loaded libtorch_cpu (in the global
+// scope, else through the library itself, which this module links: loaded, whatever its dlopen flags were).
 struct Logs {
-  Vec16Fn log1p, log;
+  Vec16Fn log1p = nullptr, log = nullptr;
+  bool sleef = false;
   Logs() {
-    log1p = reinterpret_cast<Vec16Fn>(dlsym(RTLD_DEFAULT, "Sleef_log1pf16_u10"));
-    log = reinterpret_cast<Vec16Fn>(dlsym(RTLD_DEFAULT, "Sleef_logf16_u10"));
-    if (log1p == nullptr || log == nullptr) log1p = each_lane<log1p_f>, log = each_lane<log_f>;
+    for (void* where : {RTLD_DEFAULT, dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD)}) {
+      if (where == nullptr) continue;
+      log1p = reinterpret_cast<Vec16Fn>(dlsym(where, "Sleef_log1pf16_u10"));
+      log = reinterpret_cast<Vec16Fn>(dlsym(where, "Sleef_logf16_u10"));
+      if ((sleef = log1p != nullptr && log != nullptr)) return;
+    }
+    log1p = each_lane<log1p_f>, log = each_lane<log_f>;
   }
 };
 const Logs& logs() {
@@ -149,6 +155,14 @@ void check_keys(const at::Tensor& keys, int64_t rows) {
 }
 
 }  // namespace
+
+bool gumbel_vector_logs() {
+#ifdef __AVX512F__
+  return logs().sleef;
+#else
+  return false;
+#endif
+}
 
 void gumbel_noise(at::Tensor out, at::Tensor keys, at::Tensor hashed) {
   check_rows(out, "out");

@@ -22,6 +22,7 @@ void linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::T
             int64_t min_macs_per_thread);
 void argmax_rows(at::Tensor out, at::Tensor logits);
 void gumbel_noise(at::Tensor out, at::Tensor keys, at::Tensor hashed);
+bool gumbel_vector_logs();  // whether the noise's logs are SLEEF's vectors (else a scalar call per lane)
 void gumbel_argmax(at::Tensor out, at::Tensor logits, at::Tensor temperature, at::Tensor keys, at::Tensor hashed,
                    std::optional<at::Tensor> floor);
 bool supports_f32();
