@@ -103,6 +103,21 @@ def test_thread_chooser_starts_from_the_rule_and_keeps_what_measured_faster():
     assert chooser.best(7) == 2  # 6 and 7 tokens share a bucket
 
 
+def test_thread_chooser_ignores_one_slow_step_but_follows_a_lasting_slowdown():
+    from inflight.executor.model_runner import ThreadChooser
+
+    chooser = ThreadChooser(max_threads=2, single_below=0, explore_every=4)
+    for _ in range(16):  # two threads measured at 10 ms a step, one at 20 ms (explored every 4th)
+        threads = chooser.choose(8)
+        chooser.record(8, threads, 0.010 if threads == 2 else 0.020)
+    assert chooser.best(8) == 2
+    chooser.record(8, 2, 0.100)  # one hiccup (the VM, a page fault): no reason to leave two threads
+    assert chooser.best(8) == 2
+    for _ in range(8):  # another process now holds a core: two threads wait on each other at every op
+        chooser.record(8, 2, 0.040)
+    assert chooser.best(8) == 1
+
+
 @pytest.mark.parametrize("layer_stack", ["cpu_forward", "per_op"])
 def test_outputs_do_not_depend_on_the_thread_count(demo_model_dir, monkeypatch, layer_stack):
     """A step may run on one thread or on all (the chooser, or another host's core count): the logits must

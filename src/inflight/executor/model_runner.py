@@ -7,7 +7,9 @@ Write-then-read: each layer first scatters the step's new K/V into the paged cac
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -51,20 +53,25 @@ class ThreadChooser:
     Whether a second core pays for a step depends on the step's size, the dtype and the host (how long a
     sleeping OpenMP thread takes to wake). Steps are bucketed by token
     count (powers of two); a bucket starts from the static rule (`single_below` tokens), runs the other
-    count every `explore_every`-th step, and keeps whichever has the lower moving average of seconds per
-    step. Outputs do not depend on the thread count (every CPU op sums each row in a fixed order; tested),
+    count every `explore_every`-th step, and keeps whichever has the lower median over its last `window`
+    steps: one slow step (a VM hiccup) does not move it, a slowdown that lasts (another process on a core)
+    does. Outputs do not depend on the thread count (every CPU op sums each row in a fixed order; tested),
     so the choice moves time only.
     """
 
-    def __init__(self, max_threads: int, single_below: int, explore_every: int = 16, alpha: float = 0.25) -> None:
+    def __init__(self, max_threads: int, single_below: int, explore_every: int = 16, window: int = 5) -> None:
         self.max_threads, self.single_below = max_threads, single_below
-        self.explore_every, self.alpha = explore_every, alpha
+        self.explore_every, self.window = explore_every, window
         self._steps: dict[int, int] = {}
-        self._ema: dict[tuple[int, int], float] = {}
+        self._times: dict[tuple[int, int], deque[float]] = {}
+
+    def _median(self, bucket: int, threads: int) -> float | None:
+        times = self._times.get((bucket, threads))
+        return statistics.median(times) if times else None
 
     def best(self, tokens: int) -> int:
         bucket = tokens.bit_length()
-        one, many = self._ema.get((bucket, 1)), self._ema.get((bucket, self.max_threads))
+        one, many = self._median(bucket, 1), self._median(bucket, self.max_threads)
         if one is None or many is None:
             return 1 if tokens < self.single_below else self.max_threads
         return 1 if one <= many else self.max_threads
@@ -79,8 +86,9 @@ class ThreadChooser:
 
     def record(self, tokens: int, threads: int, seconds: float) -> None:
         key = (tokens.bit_length(), threads)
-        old = self._ema.get(key)
-        self._ema[key] = seconds if old is None else old + self.alpha * (seconds - old)
+        if key not in self._times:
+            self._times[key] = deque(maxlen=self.window)
+        self._times[key].append(seconds)
 
 
 class ModelRunner:
