@@ -255,7 +255,7 @@ def _torch_gumbel_noise(keys: torch.Tensor, hashed: torch.Tensor) -> torch.Tenso
 
 
 def _keys_and_hashes(rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from inflight.executor.sampler import id_hashes, row_keys
+    from inflight.executor.sampling_noise import id_hashes, row_keys
 
     keys = row_keys(torch.arange(rows, dtype=torch.int64) * 7919 + (1 << 40), torch.arange(rows, dtype=torch.int64))
     return keys, id_hashes(torch.arange(vocab))

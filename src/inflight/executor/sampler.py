@@ -1,7 +1,7 @@
 """Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p and seeded Gumbel-max.
 
 Batch invariance: a row's token depends only on its logits row, its params, its seed and its output
-index. The random part is Gumbel noise hashed from (seed, output index, vocab id) with integer ops, so
+index. The random part is Gumbel noise hashed from (seed, output index, vocab id) (sampling_noise.py), so
 no RNG state is shared between rows or steps, and the same token gets the same noise whether a row is
 sampled over the whole vocabulary or over a top-k window of it.
 """
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, ClassVar
 import numpy as np
 import torch
 
+from inflight.executor.sampling_noise import gumbel_argmax, gumbel_noise, id_hashes, row_keys
 from inflight.ops import cpu as cpu_ops
 from inflight.sampling_params import SamplingParams
 
@@ -29,88 +30,12 @@ _MIN_TEMPERATURE = 1e-5
 _WINDOW = 64
 _WIDEN = 4
 
-_CPU_CHUNK_ELEMENTS = 1 << 17
-
-_M32 = 0xFFFFFFFF
-# lowbias32 (C. Wellons, hash-prospector) on uint32 values held in int64 lanes. The second constant is
-# stored minus 2**32: the low 32 bits of the product are the same and |value * constant| < 2**63.
-_C1 = 0x7FEB352D
-_C2 = 0x846CA68B - (1 << 32)
-_SEED_SALT = 0x243F6A88
-_ID_SALT = 0x85A308D3
-
-
-def _mix32_(x: torch.Tensor) -> torch.Tensor:
-    """A bijective 32-bit avalanche hash, in place."""
-    x ^= x >> 16
-    x.mul_(_C1).bitwise_and_(_M32)
-    x ^= x >> 15
-    x.mul_(_C2).bitwise_and_(_M32)
-    x ^= x >> 16
-    return x
-
-
-def row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """One 32-bit key per (seed < 2**63, output index): distinct steps of one seed get distinct keys."""
-    k = _mix32_((seeds >> 32) ^ _SEED_SALT)
-    k = _mix32_(k ^ (seeds & _M32))
-    return _mix32_(k ^ (steps & _M32))
-
-
-def id_hashes(ids: torch.Tensor) -> torch.Tensor:
-    return _mix32_(ids.to(torch.int64) ^ _ID_SALT)
-
-
-def _native(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and cpu_ops.available()
-
-
-def gumbel_noise(keys: torch.Tensor, hashed_ids: torch.Tensor) -> torch.Tensor:
-    """Gumbel(0, 1) noise [R, N] for row keys [R] and hashed vocab ids ([N] or [R, N])."""
-    if _native(keys):  # one pass (gumbel.cpp), the same function as _gumbel_argmax's on a CPU
-        return cpu_ops.gumbel_noise(keys.contiguous(), hashed_ids.to(torch.int32).contiguous())
-    x = _mix32_(keys[:, None] ^ hashed_ids)
-    # -u with u = x / 2**32 kept inside (0, 1); E = -log1p(-u) is exact for small u, where the Gumbel
-    # upper tail (rare tokens winning) is decided.
-    f = x.to(torch.float32).mul_(-(2.0**-32)).clamp_(-(1.0 - 2.0**-24), -(2.0**-33))
-    return f.log1p_().neg_().log_().neg_()
-
 
 def _greedy(work: torch.Tensor) -> torch.Tensor:
     """Each row's argmax; fp32 rows on a CPU go through our vectorized op (the same answer as torch's)."""
     if work.device.type == "cpu" and work.dtype == torch.float32 and work.stride(-1) == 1 and cpu_ops.available():
         return cpu_ops.argmax(work)
     return work.argmax(-1)
-
-
-def _gumbel_argmax(
-    logits: torch.Tensor,
-    temps: torch.Tensor,
-    keys: torch.Tensor,
-    hashed: torch.Tensor,
-    floor: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """argmax(logits / temperature + noise) per row over the whole vocabulary, among tokens whose scaled logit
-    is >= the row's floor. On a CPU one pass a row (gumbel.cpp: the division rounds as torch's)."""
-    if _native(logits) and logits.dtype == torch.float32 and logits.stride(-1) == 1:
-        floor = None if floor is None else floor.float().contiguous()
-        return cpu_ops.gumbel_argmax(logits, temps.contiguous(), keys.contiguous(), hashed.to(torch.int32), floor)
-    scaled = logits.float() / temps[:, None]
-
-    def pick(rows: slice) -> torch.Tensor:
-        score = gumbel_noise(keys[rows], hashed).add_(scaled[rows])
-        if floor is not None:
-            score.masked_fill_(scaled[rows] < floor[rows, None], -math.inf)
-        return score.argmax(-1)
-
-    if scaled.device.type != "cpu":
-        return pick(slice(None))
-    # On CPU the ~20 elementwise passes are memory bound: run them on row chunks that stay in cache.
-    step = max(1, _CPU_CHUNK_ELEMENTS // scaled.shape[1])
-    out = torch.empty(scaled.shape[0], dtype=torch.int64)
-    for i in range(0, scaled.shape[0], step):
-        out[i : i + step] = pick(slice(i, i + step))
-    return out
 
 
 @dataclass
@@ -385,7 +310,7 @@ class Sampler:
             windows[size] = np.nonzero(sizes == size)[0].tolist()
         if plain:
             r = _rows(plain, n, dev)
-            token_ids[r] = _gumbel_argmax(logits[r], temps[r], keys[r], hashed)
+            token_ids[r] = gumbel_argmax(logits[r], temps[r], keys[r], hashed)
         # The windows and floors work on the scaled logits; plain rows scale as they are sampled.
         scaled = logits.float() / temps[:, None] if windows else None
         # The window size of a row depends only on its params and its own logits: batch invariant.
@@ -402,7 +327,7 @@ class Sampler:
                 floors.append(floored[1])
         if floor_rows:
             r = _rows(floor_rows, n, dev)
-            token_ids[r] = _gumbel_argmax(logits[r], temps[r], keys[r], hashed, torch.cat(floors))
+            token_ids[r] = gumbel_argmax(logits[r], temps[r], keys[r], hashed, torch.cat(floors))
         return token_ids
 
     def _sample_window(

@@ -1,4 +1,4 @@
-// Random sampling's Gumbel-max in one pass over each row: the sampler's noise (executor/sampler.py: lowbias32
+// Random sampling's Gumbel-max in one pass over each row: the sampler's noise (executor/sampling_noise.py: lowbias32
 // of (row key, vocab id), u = x / 2^32 clamped, -log(-log1p(-u))) added to the row divided by its temperature,
 // and the argmax, instead of ~20 elementwise torch passes over [rows, vocab]. The vector log1p and log are
 // SLEEF's, found in the loaded libtorch_cpu; the noise op and the argmax op share one function, so a token's
