@@ -106,7 +106,7 @@ int64_t argmax_row_scalar(const float* x, float t, uint32_t key, const int32_t* 
     const int64_t len = std::min(CHUNK, n - c);
     noise_row(buf, key, hashed + c, len);
     for (int64_t i = 0; i < len; ++i) {
-      const float v = t == 1.0f ? x[c + i] : divide(x[c + i], t);
+      const float v = divide(x[c + i], t);
       uint32_t u;  // NaN tested on the bits, before any compare (-ffast-math assumes no NaN); noise is finite
       std::memcpy(&u, &v, 4);
       if ((u & 0x7fffffffu) > 0x7f800000u) return c + i;
