@@ -426,34 +426,6 @@ def test_back_off_when_drafts_are_rejected(demo_model_dir, row_cost):
     assert engine.spec_decode_counters["spec_decode_num_drafts"] <= 30
 
 
-def test_back_off_bound_rises_with_the_batch(demo_model_dir):
-    """Drafts accepted at 30%: kept while a sequence runs alone (draft rows ride along with a memory-bound step),
-    backed off once more than SMALL_BATCH run (they cost compute there)."""
-    from inflight.config import SpeculativeConfig
-    from inflight.engine.spec_decode.decoder import SMALL_BATCH, WINDOW, SpecDecoder
-
-    decoder = SpecDecoder(SpeculativeConfig.parse(NGRAM), 256)
-    for running, backs_off in ((1, False), (SMALL_BATCH + 4, True)):
-        seq = _FakeSeq()
-        decoder.propose([seq] + [_FakeSeq(prefilling=True) for _ in range(running - 1)])
-        for _ in range(WINDOW):
-            decoder.record(seq, 10, 3)  # 30% of the drafts accepted
-        assert (decoder._state[seq].cooldown > 0) is backs_off, running
-
-
-class _FakeSeq:
-    """What SpecDecoder.propose reads of a sequence: one still prefilling is skipped."""
-
-    def __init__(self, prefilling: bool = False) -> None:
-        self.prompt_token_ids = [1, 2, 3, 1, 2, 3, 1, 2]
-        self.output_token_ids = [3]
-        self.num_tokens = 9
-        self.num_computed_tokens = 0 if prefilling else 8
-        self.structured = None
-        self.spec_token_ids = None
-        self.sampling_params = SamplingParams(max_tokens=100, temperature=0.0)
-
-
 @settings(max_examples=8, deadline=None)
 @given(
     data=st.lists(
@@ -635,46 +607,3 @@ def test_stop_strings_cut_inside_an_accepted_run_in_the_engine_and_in_the_front(
     front, num_cut = _front_run(demo_model_dir, PROMPTS, params, spec, oracle)
     assert front == want
     assert num_cut > 0  # the core's output carried tokens after the stop string
-
-
-def test_step_cost_reads_the_cost_of_a_row_from_measured_steps():
-    from inflight.engine.spec_decode.decoder import StepCost
-
-    cost = StepCost()
-    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40]:
-        assert cost.row_cost(8) is None or len(cost._steps) >= cost.MIN_STEPS
-        cost.observe(rows, 0.006 + 0.0003 * rows)  # a weight-bound step plus compute per row
-    a, b = cost.fit
-    assert a == pytest.approx(0.006) and b == pytest.approx(0.0003)
-    assert cost.row_cost(8) == pytest.approx(0.0024 / 0.0084)  # one more row, in tokens of a step of 8
-    assert cost.row_cost(1) < cost.row_cost(8) < cost.row_cost(64)  # drafts pay most when alone
-    flat = StepCost()
-    for _ in range(20):
-        flat.observe(8, 0.01)
-    assert flat.fit is None  # the rows never varied: no slope to read
-
-
-def test_draft_length_follows_acceptance_and_row_cost():
-    """The j-th draft is proposed while acceptance ** j exceeds the row's cost: longer drafts for sequences that
-    copy well and for small batches, none where even one does not pay (then the sequence rests)."""
-    from inflight.config import SpeculativeConfig
-    from inflight.engine.spec_decode.decoder import COOLDOWN_STEPS, SpecDecoder
-
-    decoder = SpecDecoder(SpeculativeConfig.parse(dict(NGRAM, num_speculative_tokens=4)), 256)
-    assert decoder.worth(0.68, 0.25) == 3  # 0.68, 0.46, 0.31 > 0.25 > 0.21
-    assert decoder.worth(0.32, 0.25) == 1
-    assert decoder.worth(0.2, 0.25) == 0
-    assert decoder.worth(0.9, 0.01) == 4  # never past k
-    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40]:  # steps where a row costs a third of a token at batch 8
-        decoder.observe_step(rows, 0.004 + 0.00025 * rows)
-    good, poor = _FakeSeq(), _FakeSeq()
-    running = [good, poor] + [_FakeSeq(prefilling=True) for _ in range(6)]
-    decoder.propose(running)  # their state begins (a fresh sequence is proposed to: a = 0.5 > 1/3)
-    assert good.spec_token_ids and poor.spec_token_ids
-    good.spec_token_ids = poor.spec_token_ids = None
-    for _ in range(8):
-        decoder.record(good, 3, 3)  # every draft accepted
-        decoder.record(poor, 3, 0)  # none
-    decoder.propose(running)
-    assert decoder._state[poor].cooldown == COOLDOWN_STEPS and poor.spec_token_ids is None
-    assert decoder._state[good].cooldown == 0 and good.spec_token_ids  # the proposer's drafts, up to the limit

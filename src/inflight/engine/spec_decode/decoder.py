@@ -3,6 +3,7 @@ came of them (acceptance counters, back-off). Which drafts a step accepts: verif
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -15,59 +16,138 @@ if TYPE_CHECKING:
     from inflight.engine.sequence import Sequence
 
 # How many drafts a sequence gets (StepCost): its j-th draft is worth proposing while the chance that it is
-# accepted (its acceptance rate a, estimated over its last WINDOW proposals, to the power j) exceeds what one
-# more row costs the step, counted in the tokens the step would otherwise give: from the engine's own measured
-# step times. No draft is worth it: the sequence stops proposing for COOLDOWN_STEPS decode steps, then tries
-# again from a fresh window. Until the step cost is known, a fixed bound on the window's acceptance (lower
-# alone, where draft rows ride along with a step that streams the weights anyway) decides.
+# accepted exceeds what one more row costs the step, counted in the tokens the step would otherwise give: from
+# the engine's own measured step times. That chance is a product of conditional rates, one per position (the
+# j-th draft is accepted given that the ones before it were), each from the sequence's last WINDOW proposals
+# with the engine's recent rate at that position as a prior: a free-text match often gives one right token and
+# no second, where a copy runs on. No draft is worth it: the sequence stops proposing for COOLDOWN_STEPS decode
+# steps, then tries again from a fresh window. Then the step keeps the drafts that maximise its goodput
+# (expected tokens per second, TurboSpec's criterion) under the measured time of each row count: a step's cost
+# is not linear in its rows (a GEMM's row blocks), so a few drafts may ride along where more would take another
+# pass. Until the step cost is known, a fixed bound on the window's acceptance (lower alone, where draft rows
+# ride along with a step that streams the weights anyway) decides.
 WINDOW = 8
 MIN_ACCEPTANCE = 0.2
 SMALL_BATCH = 4
 BATCHED_MIN_ACCEPTANCE = 0.4
 COOLDOWN_STEPS = 32
-PRIOR = (1.0, 1.0)  # (accepted, rejected) a fresh sequence starts from: a = 0.5
+PRIOR_WEIGHT = 2.0  # proposals' worth of the engine's rate a sequence's own rate starts from
+GLOBAL_WINDOW = 1024  # the engine's rates: counts halve once a position has this many tries
+PRIOR_EVERY = 16
+
+
+class PositionRates:
+    """Per draft position j: proposals that reached it (drafted past j, the ones before it accepted) and those
+    whose j-th draft was accepted too; `rates(prior)`: the conditional acceptance at each position."""
+
+    __slots__ = ("hits", "tries")
+
+    def __init__(self, k: int) -> None:
+        self.tries = [0.0] * k
+        self.hits = [0.0] * k
+
+    def add(self, drafted: int, accepted: int, weight: float = 1.0) -> None:
+        for j in range(min(drafted, accepted + 1)):
+            self.tries[j] += weight
+            if accepted > j:
+                self.hits[j] += weight
+
+    def rates(self, prior: list[float] | None = None, weight: float = 0.0) -> list[float]:
+        """(hits + weight * prior) / (tries + weight) per position; with no prior, Laplace's (1 of 2)."""
+        if prior is None:
+            return [(h + 1.0) / (t + 2.0) for h, t in zip(self.hits, self.tries)]
+        return [(h + weight * q) / (t + weight) for h, t, q in zip(self.hits, self.tries, prior)]
 
 
 class _SeqState:
-    __slots__ = ("cooldown", "recent")
+    __slots__ = ("_chances", "cooldown", "rates", "recent")
 
-    def __init__(self) -> None:
+    def __init__(self, k: int) -> None:
         self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (drafted, accepted) per proposal
+        self.rates = PositionRates(k)  # over `recent`
         self.cooldown = 0
+        self._chances: tuple[list[float], list[float]] | None = None  # (prior, chances) last computed
 
-    def acceptance(self) -> float:
-        """The chance that a draft is accepted given that the ones before it were: accepted drafts over
-        accepted plus rejections (a proposal has at most one), with PRIOR."""
-        accepted = PRIOR[0] + sum(a for _, a in self.recent)
-        rejected = PRIOR[1] + sum(1 for d, a in self.recent if a < d)
-        return accepted / (accepted + rejected)
+    def record(self, drafted: int, accepted: int) -> None:
+        if len(self.recent) == WINDOW:
+            self.rates.add(*self.recent[0], weight=-1.0)
+        self.recent.append((drafted, accepted))
+        self.rates.add(drafted, accepted)
+        self._chances = None
+
+    def rest(self) -> None:
+        self.cooldown = COOLDOWN_STEPS
+        self.recent.clear()
+        self.rates = PositionRates(len(self.rates.tries))
+        self._chances = None
+
+    def chances(self, prior: list[float]) -> list[float]:
+        """The chance that each draft position is accepted: the product of the conditional rates up to it."""
+        if self._chances is not None and self._chances[0] is prior:
+            return self._chances[1]
+        out, p = [], 1.0
+        for c in self.rates.rates(prior, PRIOR_WEIGHT):
+            p *= c
+            out.append(p)
+        self._chances = (prior, out)
+        return out
 
 
 class StepCost:
     """Seconds of a step without prompt tokens as a + b * rows, a least-squares fit over the last STEPS such
     steps; `row_cost(batch)`: what one more row costs a step of `batch` sequences, as a share of the time per
-    token it gives (b * batch / (a + b * batch)). None until the rows have varied enough to tell b."""
+    token it gives (b * batch / (a + b * batch)). None until the rows have varied enough to tell b.
+    `seconds(rows)`: a step of `rows` rows, the median of the last PER_ROWS steps of that many rows once there
+    are MIN_PER_ROWS, else the fit's line."""
 
     STEPS = 64
     MIN_STEPS = 8
+    PER_ROWS = 8
+    MIN_PER_ROWS = 3
+    MAX_ROW_COUNTS = 512  # distinct row counts remembered (the least recently seen goes first)
+    RESUM_EVERY = 1024
 
     def __init__(self) -> None:
         self._steps: deque[tuple[int, float]] = deque(maxlen=self.STEPS)
+        self._sums = [0.0] * 5  # over _steps: rows, seconds, rows², rows * seconds, and how many
+        self._observed = 0
+        self._by_rows: dict[int, deque[float]] = {}
         self.fit: tuple[float, float] | None = None  # (a, b)
 
     def observe(self, rows: int, seconds: float) -> None:
+        if len(self._steps) == self.STEPS:
+            self._add(*self._steps[0], -1.0)
         self._steps.append((rows, seconds))
-        n = len(self._steps)
+        self._add(rows, seconds, 1.0)
+        self._observed += 1
+        if self._observed % self.RESUM_EVERY == 0:  # running sums drift by rounding: start them afresh
+            self._sums = [0.0] * 5
+            for r, t in self._steps:
+                self._add(r, t, 1.0)
+        times = self._by_rows.pop(rows, None)
+        if times is None:
+            times = deque(maxlen=self.PER_ROWS)
+            if len(self._by_rows) >= self.MAX_ROW_COUNTS:
+                del self._by_rows[next(iter(self._by_rows))]
+        times.append(seconds)
+        self._by_rows[rows] = times  # last in the dict: the most recently seen
+        sr, st, srr, srt, n = self._sums
         self.fit = None
         if n < self.MIN_STEPS:
             return
-        mean_r = sum(r for r, _ in self._steps) / n
-        mean_s = sum(t for _, t in self._steps) / n
-        var = sum((r - mean_r) ** 2 for r, _ in self._steps)
+        var = srr - sr * sr / n
         if var < n:  # rows within about one of each other: no slope to read
             return
-        b = max(0.0, sum((r - mean_r) * (t - mean_s) for r, t in self._steps) / var)
-        self.fit = (max(0.0, mean_s - b * mean_r), b)
+        b = max(0.0, (srt - sr * st / n) / var)
+        self.fit = (max(0.0, (st - b * sr) / n), b)
+
+    def _add(self, rows: int, seconds: float, sign: float) -> None:
+        s = self._sums
+        s[0] += sign * rows
+        s[1] += sign * seconds
+        s[2] += sign * rows * rows
+        s[3] += sign * rows * seconds
+        s[4] += sign
 
     def row_cost(self, batch: int) -> float | None:
         if self.fit is None:
@@ -75,6 +155,15 @@ class StepCost:
         a, b = self.fit
         step = a + b * batch
         return b * batch / step if step > 0 else None
+
+    def seconds(self, rows: int) -> float | None:
+        times = self._by_rows.get(rows)
+        if times is not None and len(times) >= self.MIN_PER_ROWS:
+            return statistics.median(times)
+        if self.fit is None:
+            return None
+        a, b = self.fit
+        return a + b * rows
 
 
 class Proposer(Protocol):
@@ -136,6 +225,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.proposer = make_proposer(config)
         self._state: dict[Sequence, _SeqState] = {}
+        self.engine_rates = PositionRates(self.k)  # every sequence's proposals, the recent ones weighing most
+        self._prior: list[float] | None = None  # engine_rates' rates, refreshed every PRIOR_EVERY proposals
+        self._prior_at = 0.0
         self.counters = SpecDecodeCounters(self.k)
         self.step_cost = StepCost()
         self._min_acceptance = MIN_ACCEPTANCE  # the bound for this step's batch, while the step cost is unknown
@@ -153,12 +245,14 @@ class SpecDecoder:
             return  # the scheduler drops drafts left on sequences it does not schedule; none are set here
         self._min_acceptance = MIN_ACCEPTANCE if len(running) <= SMALL_BATCH else BATCHED_MIN_ACCEPTANCE
         row_cost = self.step_cost.row_cost(len(running))
+        prior = self.prior()
+        proposed: list[tuple[Sequence, list[float]]] = []
         for seq in running:
             if seq.num_computed_tokens != seq.num_tokens - 1 or not self.can_speculate(seq):
                 continue  # prefilling or recomputing: the rule schedules its own tokens
             state = self._state.get(seq)
             if state is None:
-                state = self._state[seq] = _SeqState()
+                state = self._state[seq] = _SeqState(self.k)
             if state.cooldown:
                 state.cooldown -= 1
                 continue
@@ -170,21 +264,57 @@ class SpecDecoder:
             )
             if room < 1:
                 continue
+            chances = state.chances(prior)
             if row_cost is not None:
-                room = min(room, self.worth(state.acceptance(), row_cost))
+                room = min(room, self.worth(chances, row_cost))
                 if room < 1:  # not even one draft pays: rest, then try again
-                    state.cooldown = COOLDOWN_STEPS
-                    state.recent.clear()
+                    state.rest()
                     continue
             seq.spec_token_ids = self.proposer.propose(seq, seq.prompt_token_ids, seq.output_token_ids, room)
+            if seq.spec_token_ids:
+                proposed.append((seq, chances))
+        if proposed:
+            self.keep_for_goodput(len(running), proposed)
 
-    def worth(self, acceptance: float, row_cost: float) -> int:
-        """Drafts worth proposing: the j-th is while acceptance ** j (the chance it is accepted) exceeds what
-        its row costs (StepCost.row_cost), at most k."""
-        n, p = 0, acceptance
-        while n < self.k and p > row_cost:
+    def keep_for_goodput(self, rows: int, proposed: list[tuple[Sequence, list[float]]]) -> None:
+        """Cut the drafts of `proposed` (sequence, chance of each draft position) to the number that maximises
+        the step's expected tokens per second: a step of `rows` rows gives `rows` tokens, plus each kept draft's
+        chance, most likely first, in StepCost.seconds of its rows. Unknown times: all are kept."""
+        chances = sorted(
+            ((p, i) for i, (seq, ps) in enumerate(proposed) for p in ps[: len(seq.spec_token_ids)]), reverse=True
+        )
+        base = self.step_cost.seconds(rows)
+        if base is None:
+            return
+        best, best_n, tokens = rows / base, 0, float(rows)
+        for n, (p, _) in enumerate(chances, 1):
+            seconds = self.step_cost.seconds(rows + n)
+            if seconds is None:
+                return
+            tokens += p
+            if tokens / seconds > best:
+                best, best_n = tokens / seconds, n
+        keep = [0] * len(proposed)
+        for _, i in chances[:best_n]:
+            keep[i] += 1
+        for (seq, _), n in zip(proposed, keep):
+            seq.spec_token_ids = seq.spec_token_ids[:n]
+
+    def prior(self) -> list[float]:
+        """The engine's recent rate at each position (a sequence's estimate starts there); it moves slowly, so it
+        is read afresh every PRIOR_EVERY proposals, and the sequences' chances are kept until it is."""
+        tries = self.engine_rates.tries[0]
+        if self._prior is None or abs(tries - self._prior_at) >= PRIOR_EVERY:
+            self._prior, self._prior_at = self.engine_rates.rates(), tries
+        return self._prior
+
+    @staticmethod
+    def worth(chances: list[float], row_cost: float) -> int:
+        """Drafts worth proposing: the j-th is while its chance of being accepted (chances, falling with j)
+        exceeds what its row costs (StepCost.row_cost)."""
+        n = 0
+        while n < len(chances) and chances[n] > row_cost:
             n += 1
-            p *= acceptance
         return n
 
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -202,15 +332,19 @@ class SpecDecoder:
     def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
         """One verified proposal of `seq`: the counters, and its back-off."""
         self.counters.record(num_drafts, num_accepted)
+        rates = self.engine_rates
+        rates.add(num_drafts, num_accepted)
+        if rates.tries[0] > GLOBAL_WINDOW:
+            rates.tries = [t / 2 for t in rates.tries]
+            rates.hits = [h / 2 for h in rates.hits]
         state = self._state.get(seq)
         if state is None:
             return
-        state.recent.append((num_drafts, num_accepted))
+        state.record(num_drafts, num_accepted)
         if len(state.recent) == WINDOW and self.step_cost.fit is None:
             drafted = sum(d for d, _ in state.recent)
             if sum(a for _, a in state.recent) < self._min_acceptance * drafted:
-                state.cooldown = COOLDOWN_STEPS
-                state.recent.clear()
+                state.rest()
 
     def finish(self, seq: Sequence) -> None:
         """`seq` finished or was aborted."""

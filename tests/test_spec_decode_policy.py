@@ -1,0 +1,160 @@
+"""Speculative decoding's policy (spec_decode/decoder.py): how many drafts a sequence proposes and a step keeps,
+from each draft position's measured acceptance and the engine's measured step times; the back-off. The
+proposers and exact verification through the engine: test_spec_decode.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from inflight.config import SpeculativeConfig
+from inflight.engine.spec_decode.decoder import (
+    COOLDOWN_STEPS,
+    SMALL_BATCH,
+    WINDOW,
+    SpecDecoder,
+    StepCost,
+)
+from inflight.sampling_params import SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+class _FakeSeq:
+    """What SpecDecoder.propose reads of a sequence: one still prefilling is skipped. Its tokens repeat, so the
+    n-gram proposer drafts up to k."""
+
+    def __init__(self, prefilling: bool = False) -> None:
+        self.prompt_token_ids = [1, 2, 3, 1, 2, 3, 1, 2]
+        self.output_token_ids = [3]
+        self.num_tokens = 9
+        self.num_computed_tokens = 0 if prefilling else 8
+        self.structured = None
+        self.spec_token_ids = None
+        self.sampling_params = SamplingParams(max_tokens=100, temperature=0.0)
+
+
+def _decoder(**fields) -> SpecDecoder:
+    return SpecDecoder(SpeculativeConfig.parse(dict(NGRAM, **fields)), 256)
+
+
+def test_back_off_bound_rises_with_the_batch():
+    """Step cost unknown, drafts accepted at 30%: kept while a sequence runs alone (draft rows ride along with
+    a memory-bound step), backed off once more than SMALL_BATCH run (they cost compute there)."""
+    decoder = _decoder()
+    for running, backs_off in ((1, False), (SMALL_BATCH + 4, True)):
+        seq = _FakeSeq()
+        decoder.propose([seq] + [_FakeSeq(prefilling=True) for _ in range(running - 1)])
+        for _ in range(WINDOW):
+            decoder.record(seq, 10, 3)  # 30% of the drafts accepted
+        assert (decoder._state[seq].cooldown > 0) is backs_off, running
+
+
+def test_step_cost_reads_the_cost_of_a_row_from_measured_steps():
+    cost = StepCost()
+    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40]:
+        assert cost.row_cost(8) is None or len(cost._steps) >= cost.MIN_STEPS
+        cost.observe(rows, 0.006 + 0.0003 * rows)  # a weight-bound step plus compute per row
+    a, b = cost.fit
+    assert a == pytest.approx(0.006) and b == pytest.approx(0.0003)
+    assert cost.row_cost(8) == pytest.approx(0.0024 / 0.0084)  # one more row, in tokens of a step of 8
+    assert cost.row_cost(1) < cost.row_cost(8) < cost.row_cost(64)  # drafts pay most when alone
+    flat = StepCost()
+    for _ in range(20):
+        flat.observe(8, 0.01)
+    assert flat.fit is None  # the rows never varied: no slope to read
+    assert flat.seconds(8) == pytest.approx(0.01) and flat.seconds(9) is None
+
+
+def test_step_cost_keeps_each_row_counts_own_time():
+    """A GEMM that takes another pass over its weights from 11 rows: the line through the steps cannot show
+    the jump; the time measured at that row count does, once seen MIN_PER_ROWS times, as a median (one
+    slow step does not move it). A row count not seen enough reads the line."""
+    cost = StepCost()
+    step = {8: 0.0080, 9: 0.0081, 10: 0.0082, 11: 0.0095, 12: 0.0096}
+    for _ in range(4):
+        for rows, seconds in step.items():
+            cost.observe(rows, seconds)
+    cost.observe(10, 0.05)  # a hiccup
+    for rows, seconds in step.items():
+        assert cost.seconds(rows) == pytest.approx(seconds)
+    a, b = cost.fit
+    assert cost.seconds(13) == pytest.approx(a + 13 * b)
+    cost.observe(13, 0.0097)
+    a, b = cost.fit
+    assert cost.seconds(13) == pytest.approx(a + 13 * b)  # one step of 13 rows is not yet its own figure
+
+
+def test_step_keeps_the_drafts_that_maximise_goodput():
+    """Eight sequences each with drafts: under a step that costs little per row up to 10 rows and takes another
+    pass from 11, the two likeliest drafts ride along and the rest are cut; under a flat cost every draft
+    stays; with the step times unknown nothing is cut."""
+    decoder = _decoder()
+    for _ in range(3):
+        for rows, seconds in {8: 0.0080, 9: 0.0081, 10: 0.0082, 11: 0.0095, 12: 0.0096, 13: 0.0097}.items():
+            decoder.observe_step(rows, seconds)
+    seqs = [_FakeSeq() for _ in range(8)]
+    chances = [[0.4, 0.1]] * 6 + [[0.6, 0.3], [0.5, 0.2]]
+    for seq in seqs:
+        seq.spec_token_ids = [7, 8]
+    decoder.keep_for_goodput(8, list(zip(seqs, chances)))
+    assert [len(s.spec_token_ids) for s in seqs] == [0] * 6 + [1, 1]  # 0.6 and 0.5: 8 + 1.1 tokens in 8.2 ms
+
+    flat = _decoder()
+    for _ in range(3):
+        for rows in range(8, 25):
+            flat.observe_step(rows, 0.008)
+    for seq in seqs:
+        seq.spec_token_ids = [7, 8]
+    flat.keep_for_goodput(8, list(zip(seqs, chances)))
+    assert [len(s.spec_token_ids) for s in seqs] == [2] * 8
+
+    unknown = _decoder()
+    for seq in seqs:
+        seq.spec_token_ids = [7, 8]
+    unknown.keep_for_goodput(8, list(zip(seqs, chances)))
+    assert [len(s.spec_token_ids) for s in seqs] == [2] * 8
+
+
+def test_draft_chances_follow_each_position():
+    """A sequence whose first draft is always accepted and its second never (a free-text match: one right
+    token) gets a high chance for the first and a low one for the second; one that copies gets high chances
+    at every position. A fresh sequence starts from the engine's recent rates."""
+    decoder = _decoder()
+    one, copier = _FakeSeq(), _FakeSeq()
+    decoder.propose([one, copier])
+    for _ in range(WINDOW):
+        decoder.record(one, 3, 1)
+        decoder.record(copier, 4, 4)
+    prior = decoder.engine_rates.rates()
+    first, second = decoder._state[one].chances(prior)[:2]
+    assert first > 0.8 and second < 0.25
+    assert min(decoder._state[copier].chances(prior)) > 0.7
+    assert decoder.worth(decoder._state[one].chances(prior), 0.3) == 1
+    assert decoder.worth(decoder._state[copier].chances(prior), 0.3) == 4
+    fresh = _FakeSeq()
+    decoder.propose([fresh])
+    got = decoder._state[fresh].chances(decoder.engine_rates.rates())
+    assert got[0] == pytest.approx(prior[0])  # the engine's first-position rate: (8 + 8 + 1) / (16 + 2)
+    assert prior[0] == pytest.approx(17 / 18) and prior[1] == pytest.approx(9 / 18)
+
+
+def test_draft_length_follows_acceptance_and_row_cost():
+    """The j-th draft is proposed while its chance exceeds the row's cost: longer drafts for sequences that
+    copy well and for small batches, none where even one does not pay (then the sequence rests)."""
+    assert SpecDecoder.worth([0.68, 0.46, 0.31, 0.21], 0.25) == 3
+    assert SpecDecoder.worth([0.32, 0.1, 0.03, 0.01], 0.25) == 1
+    assert SpecDecoder.worth([0.2, 0.04, 0.01, 0.0], 0.25) == 0
+    decoder = _decoder()
+    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40]:  # steps where a row costs a third of a token at batch 8
+        decoder.observe_step(rows, 0.004 + 0.00025 * rows)
+    good, poor = _FakeSeq(), _FakeSeq()
+    running = [good, poor] + [_FakeSeq(prefilling=True) for _ in range(6)]
+    decoder.propose(running)  # their state begins (a fresh sequence is proposed to: a chance of 0.5 > 1/3)
+    assert good.spec_token_ids and poor.spec_token_ids
+    good.spec_token_ids = poor.spec_token_ids = None
+    for _ in range(8):
+        decoder.record(good, 3, 3)  # every draft accepted
+        decoder.record(poor, 3, 0)  # none
+    decoder.propose(running)
+    assert decoder._state[poor].cooldown == COOLDOWN_STEPS and poor.spec_token_ids is None
+    assert decoder._state[good].cooldown == 0 and good.spec_token_ids  # the proposer's drafts, up to the limit
