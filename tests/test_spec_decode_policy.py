@@ -118,14 +118,16 @@ def test_step_keeps_the_drafts_that_maximise_goodput():
 def test_draft_chances_follow_each_position():
     """A sequence whose first draft is always accepted and its second never (a free-text match: one right
     token) gets a high chance for the first and a low one for the second; one that copies gets high chances
-    at every position. A fresh sequence starts from the engine's recent rates."""
+    at every position. A fresh sequence starts from the engine's recent rate at the first position, and takes
+    each later position to go on as the one before it (not as other sequences did)."""
     decoder = _decoder()
     one, copier = _FakeSeq(), _FakeSeq()
     decoder.propose([one, copier])
     for _ in range(WINDOW):
         decoder.record(one, 3, 1)
         decoder.record(copier, 4, 4)
-    prior = decoder.engine_rates.rates()
+    prior = decoder.prior()
+    assert prior == pytest.approx(17 / 18)  # the first draft accepted in all 16 proposals: (16 + 1) / (16 + 2)
     first, second = decoder._state[one].chances(prior)[:2]
     assert first > 0.8 and second < 0.25
     assert min(decoder._state[copier].chances(prior)) > 0.7
@@ -133,9 +135,7 @@ def test_draft_chances_follow_each_position():
     assert decoder.worth(decoder._state[copier].chances(prior), 0.3) == 4
     fresh = _FakeSeq()
     decoder.propose([fresh])
-    got = decoder._state[fresh].chances(decoder.engine_rates.rates())
-    assert got[0] == pytest.approx(prior[0])  # the engine's first-position rate: (8 + 8 + 1) / (16 + 2)
-    assert prior[0] == pytest.approx(17 / 18) and prior[1] == pytest.approx(9 / 18)
+    assert decoder._state[fresh].chances(prior) == pytest.approx([prior**j for j in range(1, 5)])
 
 
 def test_draft_length_follows_acceptance_and_row_cost():

@@ -19,26 +19,26 @@ if TYPE_CHECKING:
 # accepted exceeds what one more row costs the step, counted in the tokens the step would otherwise give: from
 # the engine's own measured step times. That chance is a product of conditional rates, one per position (the
 # j-th draft is accepted given that the ones before it were), each from the sequence's last WINDOW proposals
-# with the engine's recent rate at that position as a prior: a free-text match often gives one right token and
-# no second, where a copy runs on. No draft is worth it: the sequence stops proposing for COOLDOWN_STEPS decode
-# steps, then tries again from a fresh window. Then the step keeps the drafts that maximise its goodput
-# (expected tokens per second, TurboSpec's criterion) under the measured time of each row count: a step's cost
-# is not linear in its rows (a GEMM's row blocks), so a few drafts may ride along where more would take another
-# pass. Until the step cost is known, a fixed bound on the window's acceptance (lower alone, where draft rows
-# ride along with a step that streams the weights anyway) decides.
+# with the rate before it as a prior (the first: the engine's recent rate): a free-text match often gives one
+# right token and no second, where a copy runs on. No draft is worth it: the sequence stops proposing for
+# COOLDOWN_STEPS decode steps, then tries again from a fresh window. Then the step keeps the drafts that maximise
+# its goodput (expected tokens per second, TurboSpec's criterion) under the measured time of each row count: a
+# step's cost is not linear in its rows (a GEMM's row blocks), so a few drafts may ride along where more would
+# take another pass. Until the step cost is known, a fixed bound on the window's acceptance (lower alone, where
+# draft rows ride along with a step that streams the weights anyway) decides.
 WINDOW = 8
 MIN_ACCEPTANCE = 0.2
 SMALL_BATCH = 4
 BATCHED_MIN_ACCEPTANCE = 0.4
 COOLDOWN_STEPS = 32
-PRIOR_WEIGHT = 2.0  # proposals' worth of the engine's rate a sequence's own rate starts from
+PRIOR_WEIGHT = 2.0  # proposals' worth of the prior a sequence's own rate at a position starts from
 GLOBAL_WINDOW = 1024  # the engine's rates: counts halve once a position has this many tries
 PRIOR_EVERY = 16
 
 
 class PositionRates:
     """Per draft position j: proposals that reached it (drafted past j, the ones before it accepted) and those
-    whose j-th draft was accepted too; `rates(prior)`: the conditional acceptance at each position."""
+    whose j-th draft was accepted too; from them the conditional acceptance at each position."""
 
     __slots__ = ("hits", "tries")
 
@@ -47,16 +47,24 @@ class PositionRates:
         self.hits = [0.0] * k
 
     def add(self, drafted: int, accepted: int, weight: float = 1.0) -> None:
-        for j in range(min(drafted, accepted + 1)):
+        for j in range(min(drafted, accepted + 1, len(self.tries))):
             self.tries[j] += weight
             if accepted > j:
                 self.hits[j] += weight
 
-    def rates(self, prior: list[float] | None = None, weight: float = 0.0) -> list[float]:
-        """(hits + weight * prior) / (tries + weight) per position; with no prior, Laplace's (1 of 2)."""
-        if prior is None:
-            return [(h + 1.0) / (t + 2.0) for h, t in zip(self.hits, self.tries)]
-        return [(h + weight * q) / (t + weight) for h, t, q in zip(self.hits, self.tries, prior)]
+    def rates(self) -> list[float]:
+        """(hits + 1) / (tries + 2) per position (Laplace's)."""
+        return [(h + 1.0) / (t + 2.0) for h, t in zip(self.hits, self.tries)]
+
+    def chained(self, first: float, weight: float) -> list[float]:
+        """(hits + weight * prior) / (tries + weight) per position, the prior of the first position `first` and
+        of each later one the rate before it: a sequence that has shown nothing at a position is taken to
+        continue as it began, not as other sequences do."""
+        out, q = [], first
+        for h, t in zip(self.hits, self.tries):
+            q = (h + weight * q) / (t + weight)
+            out.append(q)
+        return out
 
 
 class _SeqState:
@@ -66,7 +74,7 @@ class _SeqState:
         self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (drafted, accepted) per proposal
         self.rates = PositionRates(k)  # over `recent`
         self.cooldown = 0
-        self._chances: tuple[list[float], list[float]] | None = None  # (prior, chances) last computed
+        self._chances: tuple[float, list[float]] | None = None  # (prior, chances) last computed
 
     def record(self, drafted: int, accepted: int) -> None:
         if len(self.recent) == WINDOW:
@@ -81,12 +89,12 @@ class _SeqState:
         self.rates = PositionRates(len(self.rates.tries))
         self._chances = None
 
-    def chances(self, prior: list[float]) -> list[float]:
+    def chances(self, prior: float) -> list[float]:
         """The chance that each draft position is accepted: the product of the conditional rates up to it."""
-        if self._chances is not None and self._chances[0] is prior:
+        if self._chances is not None and self._chances[0] == prior:
             return self._chances[1]
         out, p = [], 1.0
-        for c in self.rates.rates(prior, PRIOR_WEIGHT):
+        for c in self.rates.chained(prior, PRIOR_WEIGHT):
             p *= c
             out.append(p)
         self._chances = (prior, out)
@@ -225,8 +233,8 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.proposer = make_proposer(config)
         self._state: dict[Sequence, _SeqState] = {}
-        self.engine_rates = PositionRates(self.k)  # every sequence's proposals, the recent ones weighing most
-        self._prior: list[float] | None = None  # engine_rates' rates, refreshed every PRIOR_EVERY proposals
+        self.engine_rates = PositionRates(1)  # the first draft of every sequence's proposals, recent ones most
+        self._prior: float | None = None  # engine_rates' first rate, refreshed every PRIOR_EVERY proposals
         self._prior_at = 0.0
         self.counters = SpecDecodeCounters(self.k)
         self.step_cost = StepCost()
@@ -300,12 +308,12 @@ class SpecDecoder:
         for (seq, _), n in zip(proposed, keep):
             seq.spec_token_ids = seq.spec_token_ids[:n]
 
-    def prior(self) -> list[float]:
-        """The engine's recent rate at each position (a sequence's estimate starts there); it moves slowly, so it
-        is read afresh every PRIOR_EVERY proposals, and the sequences' chances are kept until it is."""
+    def prior(self) -> float:
+        """The engine's recent rate at the first draft position (a sequence's estimate starts there); it moves
+        slowly, so it is read afresh every PRIOR_EVERY proposals, and the sequences' chances are kept until it is."""
         tries = self.engine_rates.tries[0]
         if self._prior is None or abs(tries - self._prior_at) >= PRIOR_EVERY:
-            self._prior, self._prior_at = self.engine_rates.rates(), tries
+            self._prior, self._prior_at = self.engine_rates.rates()[0], tries
         return self._prior
 
     @staticmethod
