@@ -50,19 +50,22 @@ def test_back_off_bound_rises_with_the_batch():
 
 
 def test_step_cost_reads_the_cost_of_a_row_from_measured_steps():
+    """A line through one point per row count: a steady batch's many steps of one size do not outweigh the few
+    of other sizes, and one size alone gives no slope."""
     cost = StepCost()
-    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40]:
-        assert cost.row_cost(8) is None or len(cost._steps) >= cost.MIN_STEPS
+    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40] * cost.MIN_PER_ROWS + [8] * 50:
         cost.observe(rows, 0.006 + 0.0003 * rows)  # a weight-bound step plus compute per row
     a, b = cost.fit
     assert a == pytest.approx(0.006) and b == pytest.approx(0.0003)
     assert cost.row_cost(8) == pytest.approx(0.0024 / 0.0084)  # one more row, in tokens of a step of 8
     assert cost.row_cost(1) < cost.row_cost(8) < cost.row_cost(64)  # drafts pay most when alone
     flat = StepCost()
-    for _ in range(20):
-        flat.observe(8, 0.01)
-    assert flat.fit is None  # the rows never varied: no slope to read
+    for rows in [8] * 20 + [9, 9]:  # 9 rows seen twice: not yet a point
+        flat.observe(rows, 0.01 if rows == 8 else 0.011)
+    assert flat.fit is None and flat.row_cost(8) is None  # one row count: no slope to read
     assert flat.seconds(8) == pytest.approx(0.01) and flat.seconds(9) is None
+    flat.observe(9, 0.011)
+    assert flat.fit is not None and flat.seconds(10) == pytest.approx(0.012)  # two points: a line
 
 
 def test_step_cost_keeps_each_row_counts_own_time():
@@ -145,7 +148,7 @@ def test_draft_length_follows_acceptance_and_row_cost():
     assert SpecDecoder.worth([0.32, 0.1, 0.03, 0.01], 0.25) == 1
     assert SpecDecoder.worth([0.2, 0.04, 0.01, 0.0], 0.25) == 0
     decoder = _decoder()
-    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40]:  # steps where a row costs a third of a token at batch 8
+    for rows in [8, 40, 8, 24, 8, 16, 32, 8, 12, 40] * 3:  # a row costs a third of a token at batch 8
         decoder.observe_step(rows, 0.004 + 0.00025 * rows)
     good, poor = _FakeSeq(), _FakeSeq()
     running = [good, poor] + [_FakeSeq(prefilling=True) for _ in range(6)]

@@ -102,52 +102,51 @@ class _SeqState:
 
 
 class StepCost:
-    """Seconds of a step without prompt tokens as a + b * rows, a least-squares fit over the last STEPS such
-    steps; `row_cost(batch)`: what one more row costs a step of `batch` sequences, as a share of the time per
-    token it gives (b * batch / (a + b * batch)). None until the rows have varied enough to tell b.
-    `seconds(rows)`: a step of `rows` rows, the median of the last PER_ROWS steps of that many rows once there
-    are MIN_PER_ROWS, else the fit's line."""
+    """The time of a step without prompt tokens by its rows: per row count the median of its last PER_ROWS
+    steps (a point once it has MIN_PER_ROWS), and a least-squares line a + b * rows through those points, one per
+    row count (a batch that holds steady gives many steps of one count, which alone say nothing of a row's cost).
+    `seconds(rows)`: the row count's own median, else the line; `row_cost(batch)`: what one more row costs a
+    step of `batch` sequences, as a share of the time per token it gives (b * batch / (a + b * batch)). None
+    until two row counts are known."""
 
-    STEPS = 64
-    MIN_STEPS = 8
     PER_ROWS = 8
     MIN_PER_ROWS = 3
     MAX_ROW_COUNTS = 512  # distinct row counts remembered (the least recently seen goes first)
     RESUM_EVERY = 1024
 
     def __init__(self) -> None:
-        self._steps: deque[tuple[int, float]] = deque(maxlen=self.STEPS)
-        self._sums = [0.0] * 5  # over _steps: rows, seconds, rows², rows * seconds, and how many
-        self._observed = 0
         self._by_rows: dict[int, deque[float]] = {}
+        self._points: dict[int, float] = {}  # row count -> its median, once it has MIN_PER_ROWS steps
+        self._sums = [0.0] * 5  # over _points: rows, seconds, rows², rows * seconds, and how many
+        self._observed = 0
         self.fit: tuple[float, float] | None = None  # (a, b)
 
     def observe(self, rows: int, seconds: float) -> None:
-        if len(self._steps) == self.STEPS:
-            self._add(*self._steps[0], -1.0)
-        self._steps.append((rows, seconds))
-        self._add(rows, seconds, 1.0)
-        self._observed += 1
-        if self._observed % self.RESUM_EVERY == 0:  # running sums drift by rounding: start them afresh
-            self._sums = [0.0] * 5
-            for r, t in self._steps:
-                self._add(r, t, 1.0)
         times = self._by_rows.pop(rows, None)
         if times is None:
             times = deque(maxlen=self.PER_ROWS)
             if len(self._by_rows) >= self.MAX_ROW_COUNTS:
-                del self._by_rows[next(iter(self._by_rows))]
+                oldest = next(iter(self._by_rows))
+                del self._by_rows[oldest]
+                self._set_point(oldest, None)
         times.append(seconds)
         self._by_rows[rows] = times  # last in the dict: the most recently seen
-        sr, st, srr, srt, n = self._sums
-        self.fit = None
-        if n < self.MIN_STEPS:
-            return
-        var = srr - sr * sr / n
-        if var < n:  # rows within about one of each other: no slope to read
-            return
-        b = max(0.0, (srt - sr * st / n) / var)
-        self.fit = (max(0.0, (st - b * sr) / n), b)
+        if len(times) >= self.MIN_PER_ROWS:
+            self._set_point(rows, statistics.median(times))
+        self._observed += 1
+        if self._observed % self.RESUM_EVERY == 0:  # running sums drift by rounding: start them afresh
+            self._sums = [0.0] * 5
+            for r, t in self._points.items():
+                self._add(r, t, 1.0)
+        self._refit()
+
+    def _set_point(self, rows: int, median: float | None) -> None:
+        old = self._points.pop(rows, None)
+        if old is not None:
+            self._add(rows, old, -1.0)
+        if median is not None:
+            self._points[rows] = median
+            self._add(rows, median, 1.0)
 
     def _add(self, rows: int, seconds: float, sign: float) -> None:
         s = self._sums
@@ -157,6 +156,17 @@ class StepCost:
         s[3] += sign * rows * seconds
         s[4] += sign
 
+    def _refit(self) -> None:
+        sr, st, srr, srt, n = self._sums
+        self.fit = None
+        if n < 2:
+            return
+        var = srr - sr * sr / n
+        if var <= 0:
+            return
+        b = max(0.0, (srt - sr * st / n) / var)
+        self.fit = (max(0.0, (st - b * sr) / n), b)
+
     def row_cost(self, batch: int) -> float | None:
         if self.fit is None:
             return None
@@ -165,9 +175,9 @@ class StepCost:
         return b * batch / step if step > 0 else None
 
     def seconds(self, rows: int) -> float | None:
-        times = self._by_rows.get(rows)
-        if times is not None and len(times) >= self.MIN_PER_ROWS:
-            return statistics.median(times)
+        point = self._points.get(rows)
+        if point is not None:
+            return point
         if self.fit is None:
             return None
         a, b = self.fit
@@ -287,7 +297,7 @@ class SpecDecoder:
     def keep_for_goodput(self, rows: int, proposed: list[tuple[Sequence, list[float]]]) -> None:
         """Cut the drafts of `proposed` (sequence, chance of each draft position) to the number that maximises
         the step's expected tokens per second: a step of `rows` rows gives `rows` tokens, plus each kept draft's
-        chance, most likely first, in StepCost.seconds of its rows. Unknown times: all are kept."""
+        chance, most likely first, in StepCost.seconds of its rows. The step's own time unknown: all are kept."""
         chances = sorted(
             ((p, i) for i, (seq, ps) in enumerate(proposed) for p in ps[: len(seq.spec_token_ids)]), reverse=True
         )
@@ -298,7 +308,7 @@ class SpecDecoder:
         for n, (p, _) in enumerate(chances, 1):
             seconds = self.step_cost.seconds(rows + n)
             if seconds is None:
-                return
+                break  # no step of that size measured yet, nor a line to read it from: not past it
             tokens += p
             if tokens / seconds > best:
                 best, best_n = tokens / seconds, n
