@@ -90,7 +90,7 @@ def test_step_cost_keeps_each_row_counts_own_time():
 def test_step_keeps_the_drafts_that_maximise_goodput():
     """Eight sequences each with drafts: under a step that costs little per row up to 10 rows and takes another
     pass from 11, the two likeliest drafts ride along and the rest are cut; under a flat cost every draft
-    stays; with the step times unknown nothing is cut."""
+    stays; with the step times unknown nothing is cut (else drafts would never be measured)."""
     decoder = _decoder()
     for _ in range(3):
         for rows, seconds in {8: 0.0080, 9: 0.0081, 10: 0.0082, 11: 0.0095, 12: 0.0096, 13: 0.0097}.items():
@@ -111,11 +111,14 @@ def test_step_keeps_the_drafts_that_maximise_goodput():
     flat.keep_for_goodput(8, list(zip(seqs, chances)))
     assert [len(s.spec_token_ids) for s in seqs] == [2] * 8
 
-    unknown = _decoder()
-    for seq in seqs:
-        seq.spec_token_ids = [7, 8]
-    unknown.keep_for_goodput(8, list(zip(seqs, chances)))
-    assert [len(s.spec_token_ids) for s in seqs] == [2] * 8
+    for steps in ([], [(8, 0.008)] * 3):  # nothing measured; only steps of 8 rows (no drafts yet)
+        unknown = _decoder()
+        for rows, seconds in steps:
+            unknown.observe_step(rows, seconds)
+        for seq in seqs:
+            seq.spec_token_ids = [7, 8]
+        unknown.keep_for_goodput(8, list(zip(seqs, chances)))
+        assert [len(s.spec_token_ids) for s in seqs] == [2] * 8  # kept: a step with drafts gets measured
 
 
 def test_draft_chances_follow_each_position():

@@ -297,7 +297,7 @@ class SpecDecoder:
     def keep_for_goodput(self, rows: int, proposed: list[tuple[Sequence, list[float]]]) -> None:
         """Cut the drafts of `proposed` (sequence, chance of each draft position) to the number that maximises
         the step's expected tokens per second: a step of `rows` rows gives `rows` tokens, plus each kept draft's
-        chance, most likely first, in StepCost.seconds of its rows. The step's own time unknown: all are kept."""
+        chance, most likely first, in StepCost.seconds of its rows. A time unknown: all are kept."""
         chances = sorted(
             ((p, i) for i, (seq, ps) in enumerate(proposed) for p in ps[: len(seq.spec_token_ids)]), reverse=True
         )
@@ -307,8 +307,8 @@ class SpecDecoder:
         best, best_n, tokens = rows / base, 0, float(rows)
         for n, (p, _) in enumerate(chances, 1):
             seconds = self.step_cost.seconds(rows + n)
-            if seconds is None:
-                break  # no step of that size measured yet, nor a line to read it from: not past it
+            if seconds is None:  # fewer than two step sizes measured: all kept, so that one gets measured
+                return
             tokens += p
             if tokens / seconds > best:
                 best, best_n = tokens / seconds, n
