@@ -13,13 +13,13 @@ from helpers import PROMPTS
 
 from inflight import SamplingParams
 
-GREEDY = {"temperature": 0, "max_tokens": 24}
+GREEDY = {"temperature": 0, "max_tokens": 64}  # long enough that a stream is several responses even on a busy host
 
 
 @pytest.fixture(scope="module")
 def offline_greedy(offline_llm):
     """The offline engine's greedy text for every prompt (the reference for the server)."""
-    outs = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24))
+    outs = offline_llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=GREEDY["max_tokens"]))
     return {p: o.text for p, o in zip(PROMPTS, outs)}
 
 
