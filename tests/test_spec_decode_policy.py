@@ -9,6 +9,8 @@ import pytest
 from inflight.config import SpeculativeConfig
 from inflight.engine.spec_decode.decoder import (
     COOLDOWN_STEPS,
+    MISS_LIMIT,
+    MISS_REST,
     SMALL_BATCH,
     WINDOW,
     SpecDecoder,
@@ -180,3 +182,27 @@ def test_acceptance_floor_rests_a_batched_sequence_whatever_the_cost():
     for i in range(WINDOW):
         decoder.record(seq, 1, int(i % 3 == 0))  # 3 of 8
     assert decoder._state[seq].cooldown == COOLDOWN_STEPS
+
+
+def test_a_batched_sequence_with_nothing_to_copy_looks_less_often():
+    """In a batch, MISS_LIMIT lookups in a row that find nothing: the sequence skips the proposer for MISS_REST
+    steps, then looks again (and rests again while it still finds nothing); a draft found ends it. Alone, it
+    looks every step (a lookup costs little beside a step of one)."""
+    decoder = _decoder()
+    calls = []
+    proposer = decoder.proposer
+    original = proposer.propose
+    proposer.propose = lambda *args: calls.append(args[0]) or original(*args)
+    for running, rests in ((1, False), (SMALL_BATCH + 4, True)):
+        seq = _FakeSeq()
+        seq.prompt_token_ids, seq.output_token_ids = list(range(10, 18)), [99]  # no n-gram repeats
+        batch = [seq] + [_FakeSeq(prefilling=True) for _ in range(running - 1)]
+        calls.clear()
+        for _ in range(MISS_LIMIT + 2 * (MISS_REST + 1)):
+            decoder.propose(batch)
+            assert not seq.spec_token_ids
+        assert len(calls) == (MISS_LIMIT + 2 if rests else MISS_LIMIT + 2 * (MISS_REST + 1)), running
+    seq.prompt_token_ids, seq.output_token_ids = [1, 2, 3, 1, 2], [3]  # something to copy: found at the next look
+    for _ in range(MISS_REST + 1):
+        decoder.propose(batch)
+    assert seq.spec_token_ids and decoder._state[seq].misses == 0 and decoder._state[seq].cooldown == 0

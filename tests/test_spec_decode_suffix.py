@@ -188,3 +188,27 @@ def test_hash_collisions_are_not_matches():
     found, follows = idx.occurrences(tail, 0, 3, own=False)
     assert [(m, end) for m, _, end in found] == [(3, 12), (2, 2)] and follows == 1
     assert len(found) <= MAX_OCCURRENCES
+
+
+def test_last_tokens_seen_nowhere_skip_the_lookups_and_change_no_draft():
+    """propose() returns [] at once where the last two tokens occur nowhere before (own tokens or the cache):
+    the full lookups would find nothing either, and where they occur only in the cache the cache still drafts."""
+    rng = random.Random(1)
+    skipped = drafted_from_cache = 0
+    for _ in range(1500):
+        vocab = rng.choice([5, 12, 40])
+        p = SuffixProposer(4, max_cached_requests=4)
+        for i in range(rng.randint(0, 3)):
+            p.finish(("done", i), [rng.randint(0, vocab) for _ in range(rng.randint(1, 40))])
+        own = [rng.randint(0, vocab) for _ in range(rng.randint(1, 40))]
+        local = SuffixIndex()
+        local.add_sequence(own)
+        tail = array("i", own[-24:])
+        mine = p.speculate(local, tail, 4, own=True)
+        theirs = p.speculate(p.global_index, tail, 4) if len(p.global_index) else mine
+        best = mine if mine.score >= theirs.score else theirs
+        assert p.propose("req", own, [], 4) == best.token_ids
+        seen_before = len(own) > 2 and continues([own[:-1]], own[-2:], [])
+        skipped += not seen_before and not continues(list(p.global_index.seqs), own[-2:], [])
+        drafted_from_cache += not seen_before and bool(best.token_ids)
+    assert skipped > 300 and drafted_from_cache > 20

@@ -3,7 +3,6 @@ came of them (acceptance counters, back-off). Which drafts a step accepts: verif
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,11 +26,15 @@ if TYPE_CHECKING:
 # take another pass. Under both, a floor on the window's acceptance (lower alone, where draft rows ride along with
 # a step that streams the weights anyway): in a batch whose requests end together the step-time view overrates a
 # draft (it shortens a request, not the batch), and free text at 8 in flight broke even near 40% (measured).
+# In a batch, a sequence whose proposer found nothing MISS_LIMIT steps running looks only every MISS_REST + 1-th
+# step until it finds a draft again: in free text most lookups find nothing, and a step pays for each.
 WINDOW = 8
 MIN_ACCEPTANCE = 0.2
 SMALL_BATCH = 4
 BATCHED_MIN_ACCEPTANCE = 0.4
 COOLDOWN_STEPS = 32
+MISS_LIMIT = 8
+MISS_REST = 4
 PRIOR_WEIGHT = 2.0  # proposals' worth of the prior a sequence's own rate at a position starts from
 GLOBAL_WINDOW = 1024  # the engine's rates: counts halve once a position has this many tries
 PRIOR_EVERY = 16
@@ -69,12 +72,13 @@ class PositionRates:
 
 
 class _SeqState:
-    __slots__ = ("_chances", "cooldown", "rates", "recent")
+    __slots__ = ("_chances", "cooldown", "misses", "rates", "recent")
 
     def __init__(self, k: int) -> None:
         self.recent: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (drafted, accepted) per proposal
         self.rates = PositionRates(k)  # over `recent`
         self.cooldown = 0
+        self.misses = 0  # proposer calls in a row that found no draft
         self._chances: tuple[float, list[float]] | None = None  # (prior, chances) last computed
 
     def record(self, drafted: int, accepted: int) -> None:
@@ -123,23 +127,30 @@ class StepCost:
         self.fit: tuple[float, float] | None = None  # (a, b)
 
     def observe(self, rows: int, seconds: float) -> None:
+        changed = False  # a point moved: the line is fitted again
         times = self._by_rows.pop(rows, None)
         if times is None:
             times = deque(maxlen=self.PER_ROWS)
             if len(self._by_rows) >= self.MAX_ROW_COUNTS:
                 oldest = next(iter(self._by_rows))
                 del self._by_rows[oldest]
+                changed = oldest in self._points
                 self._set_point(oldest, None)
         times.append(seconds)
         self._by_rows[rows] = times  # last in the dict: the most recently seen
         if len(times) >= self.MIN_PER_ROWS:
-            self._set_point(rows, statistics.median(times))
+            median = _median(times)
+            if median != self._points.get(rows):
+                self._set_point(rows, median)
+                changed = True
         self._observed += 1
         if self._observed % self.RESUM_EVERY == 0:  # running sums drift by rounding: start them afresh
             self._sums = [0.0] * 5
             for r, t in self._points.items():
                 self._add(r, t, 1.0)
-        self._refit()
+            changed = True
+        if changed:
+            self._refit()
 
     def _set_point(self, rows: int, median: float | None) -> None:
         old = self._points.pop(rows, None)
@@ -183,6 +194,13 @@ class StepCost:
             return None
         a, b = self.fit
         return a + b * rows
+
+
+def _median(values: deque[float]) -> float:
+    """statistics.median's value, at a fraction of its cost on a few values (it runs every step)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class Proposer(Protocol):
@@ -262,7 +280,8 @@ class SpecDecoder:
         """Set `spec_token_ids` of the running sequences that speculate this step (the others get none)."""
         if len(running) > self.config.disable_by_batch_size:
             return  # the scheduler drops drafts left on sequences it does not schedule; none are set here
-        self._min_acceptance = MIN_ACCEPTANCE if len(running) <= SMALL_BATCH else BATCHED_MIN_ACCEPTANCE
+        small = len(running) <= SMALL_BATCH
+        self._min_acceptance = MIN_ACCEPTANCE if small else BATCHED_MIN_ACCEPTANCE
         row_cost = self.step_cost.row_cost(len(running))
         prior = self.prior()
         proposed: list[tuple[Sequence, list[float]]] = []
@@ -292,6 +311,11 @@ class SpecDecoder:
             seq.spec_token_ids = self.proposer.propose(seq, seq.prompt_token_ids, seq.output_token_ids, room)
             if seq.spec_token_ids:
                 proposed.append((seq, chances))
+                state.misses = 0
+            else:
+                state.misses += 1
+                if state.misses >= MISS_LIMIT and not small:
+                    state.cooldown = MISS_REST
         if proposed:
             self.keep_for_goodput(len(running), proposed)
 

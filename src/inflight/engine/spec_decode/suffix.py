@@ -87,6 +87,12 @@ class SuffixIndex:
                 prevs[a].append(heads[a][h])
                 heads[a][h] = pos
 
+    def may_contain(self, ngram: array) -> bool:
+        """False only where `ngram` (ANCHORS[0] tokens) occurs in no sequence here (its chain head is empty or
+        evicted); True may be a hash collision."""
+        pos = self.heads[0][zlib.crc32(ngram) & self.mask]
+        return pos >= 0 and (pos >> _OFFSET_BITS) >= self.first_id
+
     def occurrences(self, tail: array, a: int, longest: int, own: bool) -> tuple[list[tuple[int, array, int]], int]:
         """The most recent occurrences (at most MAX_OCCURRENCES) of `tail`'s last n = ANCHORS[a] tokens: for each,
         how many of `tail`'s last tokens it matches (n to `longest`), and where it ends (its sequence, the offset
@@ -199,11 +205,17 @@ class SuffixProposer:
             local.extend(prompt[have:])
         local.extend(output[max(have - len(prompt), 0) :])
         seq = local.seqs[0]
+        g = self.global_index if self.global_index is not None and len(self.global_index) else None
+        # Every pattern ends with the last ANCHORS[0] tokens: where they occurred nowhere before (most steps of
+        # free text), nothing can match and both lookups are skipped.
+        n = ANCHORS[0]
+        if len(seq) <= n or (local.prevs[0][0][-1] < 0 and (g is None or not g.may_contain(seq[-n:]))):
+            return []
         tail = seq[max(len(seq) - self.depth, 0) :]
         k = min(self.k, max_tokens)
         draft = self.speculate(local, tail, k, own=True)
-        if self.global_index is not None and len(self.global_index):
-            other = self.speculate(self.global_index, tail, k)
+        if g is not None:
+            other = self.speculate(g, tail, k)
             if other.score > draft.score:
                 draft = other
         return draft.token_ids
