@@ -3,6 +3,7 @@ came of them (acceptance counters, back-off). Which drafts a step accepts: verif
 
 from __future__ import annotations
 
+import statistics
 from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
@@ -127,30 +128,23 @@ class StepCost:
         self.fit: tuple[float, float] | None = None  # (a, b)
 
     def observe(self, rows: int, seconds: float) -> None:
-        changed = False  # a point moved: the line is fitted again
         times = self._by_rows.pop(rows, None)
         if times is None:
             times = deque(maxlen=self.PER_ROWS)
             if len(self._by_rows) >= self.MAX_ROW_COUNTS:
                 oldest = next(iter(self._by_rows))
                 del self._by_rows[oldest]
-                changed = oldest in self._points
                 self._set_point(oldest, None)
         times.append(seconds)
         self._by_rows[rows] = times  # last in the dict: the most recently seen
         if len(times) >= self.MIN_PER_ROWS:
-            median = _median(times)
-            if median != self._points.get(rows):
-                self._set_point(rows, median)
-                changed = True
+            self._set_point(rows, statistics.median(times))
         self._observed += 1
         if self._observed % self.RESUM_EVERY == 0:  # running sums drift by rounding: start them afresh
             self._sums = [0.0] * 5
             for r, t in self._points.items():
                 self._add(r, t, 1.0)
-            changed = True
-        if changed:
-            self._refit()
+        self._refit()
 
     def _set_point(self, rows: int, median: float | None) -> None:
         old = self._points.pop(rows, None)
@@ -194,13 +188,6 @@ class StepCost:
             return None
         a, b = self.fit
         return a + b * rows
-
-
-def _median(values: deque[float]) -> float:
-    """statistics.median's value, at a fraction of its cost on a few values (it runs every step)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 class Proposer(Protocol):
