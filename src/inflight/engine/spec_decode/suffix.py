@@ -87,6 +87,12 @@ class SuffixIndex:
                 prevs[a].append(heads[a][h])
                 heads[a][h] = pos
 
+    def ends_with_a_repeat(self) -> bool:
+        """Whether the newest sequence's last ANCHORS[0] tokens occurred earlier here (True may be a hash
+        collision)."""
+        prevs = self.prevs[-1][0]
+        return len(prevs) > 0 and prevs[-1] >= 0
+
     def may_contain(self, ngram: array) -> bool:
         """False only where `ngram` (ANCHORS[0] tokens) occurs in no sequence here (its chain head is empty or
         evicted); True may be a hash collision."""
@@ -209,7 +215,7 @@ class SuffixProposer:
         # Every pattern ends with the last ANCHORS[0] tokens: where they occurred nowhere before (most steps of
         # free text), nothing can match and both lookups are skipped.
         n = ANCHORS[0]
-        if len(seq) <= n or (local.prevs[0][0][-1] < 0 and (g is None or not g.may_contain(seq[-n:]))):
+        if len(seq) <= n or (not local.ends_with_a_repeat() and (g is None or not g.may_contain(seq[-n:]))):
             return []
         tail = seq[max(len(seq) - self.depth, 0) :]
         k = min(self.k, max_tokens)
