@@ -74,7 +74,7 @@ def check_block_pool(sched: Scheduler) -> None:
     # A shared block holds one content: every holder has the same tokens up to its end (KV depends on them).
     contents: dict[int, list[int]] = {}
     for s in holders:
-        tokens = s.all_token_ids()
+        tokens = s.prompt_token_ids + s.output_token_ids
         for i, b in enumerate(s.block_table):
             end = min((i + 1) * bm.block_size, s.num_computed_tokens)
             if end <= i * bm.block_size:

@@ -14,6 +14,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 SCHEDULING_POLICIES = ("continuous", "static")
 KV_RESERVATIONS = ("paged", "max_length")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+WEIGHT_FORMATS = ("auto", "packed", "dequantized")
 
 
 class ConfigError(ValueError):
@@ -32,8 +33,7 @@ def _default_kv_bytes() -> int:
 def cpu_bf16_feature() -> str | None:
     """The CPU feature that makes bf16 pay on this machine (AMX or AVX512-BF16 GEMMs), or None.
 
-    With either, the GEMMs run bf16 natively (our own with AVX512-BF16, oneDNN's elsewhere): measured 1.3-3.6x
-    faster than fp32 on an AMD EPYC with AVX512-BF16 (batch 1 to a 256-token prefill, docs/PERFORMANCE.md).
+    With either, the GEMMs run bf16 natively (our own with AVX512-BF16, oneDNN's elsewhere) and faster than fp32.
     Without them bf16 is emulated through fp32 conversions and is slower than plain fp32.
     """
     caps = torch.cpu.get_capabilities()  # cpuinfo's CPUID flags: /proc/cpuinfo's amx_bf16, avx512_bf16
@@ -207,6 +207,9 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
     dtype: str = "auto"  # auto = checkpoint dtype on GPU; on CPU bfloat16 with AMX / AVX512-BF16, else float32
     device: str = "auto"
+    # GGUF files: keep quantized weights as the file's blocks (packed), dequantize them at load, or auto: packed
+    # where a kernel computes the format on this device (the start-up log says which)
+    weight_format: str = "auto"
     scheduling_policy: str = "continuous"
     kv_reservation: str = "paged"
     attention_backend: str = "auto"
@@ -226,7 +229,7 @@ class EngineConfig:
     max_json_depth: int = 64  # nesting of the sampling_parameters JSON (a JSON schema nests ~2 per level)
     # Structured outputs: a constraint's complexity before compiling (its text's bytes, its nesting), the bytes
     # the cached compiled grammars may hold, and the engine time one request's grammar matcher (bitmask fill +
-    # accept) may take for one token and in all (docs/PERFORMANCE.md, "Structured outputs").
+    # accept) may take for one token and in all.
     max_grammar_spec_bytes: int = 64 << 10
     max_grammar_depth: int = 32
     max_grammar_cache_bytes: int = 256 << 20
@@ -266,6 +269,7 @@ class EngineConfig:
             check(getattr(self, name) > 0, name, "> 0")
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
         check(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes", ">= 1")
+        check(self.weight_format in WEIGHT_FORMATS, "weight_format", ", ".join(WEIGHT_FORMATS))
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)

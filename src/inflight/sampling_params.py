@@ -95,13 +95,6 @@ class StructuredOutputsParams:
         text = spec if isinstance(spec, str) else json.dumps(spec, sort_keys=True, ensure_ascii=False)
         return kind, text, self.disable_any_whitespace
 
-    def to_dict(self) -> dict[str, Any]:
-        spec = getattr(self, self.kind)
-        out = {self.kind: list(spec) if isinstance(spec, tuple) else spec}
-        if self.disable_any_whitespace:
-            out["disable_any_whitespace"] = True
-        return out
-
 
 # The older top-level spellings (Triton's OpenAI frontend and older vLLM clients send these).
 _GUIDED_FIELDS = {

@@ -3,9 +3,8 @@
 Decode-only steps: the layer stack captured once per (padded batch size, split-K count) and replayed,
 instead of launching every kernel from Python each step.
 
-Why: on a GPU a decode step of a small model is launch-bound. llama1b (1.1B, bf16) on an H100 launched 199
-kernels a step from Python: 2.1 ms of kernel time in an 8.8 ms step at batch 64 (docs/BENCHMARKS.md). A
-replay launches them all in one call.
+Why: on a GPU a decode step of a small model is launch-bound (Python launches each of its kernels); a replay
+launches them all in one call.
 
 What is captured whole: steps where every sequence queries one token (decode), whose shapes depend on the
 batch size alone. A batch of B sequences is padded up to the next captured
@@ -55,7 +54,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class CudaGraphRunner:
     """Replays a graph per (padded batch size, split-K count). `capture_all` captures every size with one KV
     pass up front (the key of every batch that fills the GPU, and of small ones over short contexts); a
-    split-K key is captured on its first step (a warm-up run, then the capture: tens of ms)."""
+    split-K key is captured on its first step (a warm-up run, then the capture)."""
 
     def __init__(
         self,

@@ -127,11 +127,6 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self._seqs)
 
-    @property
-    def req_ids(self) -> list[str]:
-        """The request id of each row."""
-        return [s.request_id for s in self._seqs]
-
     # ---- the diff ------------------------------------------------------------------------------------
 
     def update(self, seqs: list[Sequence]) -> None:

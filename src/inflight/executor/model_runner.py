@@ -41,8 +41,8 @@ class ModelOutput:
 
 
 # With OMP_WAIT_POLICY=PASSIVE, OpenMP threads sleep between ops and each op wakes them again; a step whose
-# GEMMs are this small (tokens x one layer's weights, multiply-adds) runs faster on the calling thread alone
-# (docs/PERFORMANCE.md, "Threads and OpenMP policy"). The same bound applies to the output layer when it is
+# GEMMs are this small (tokens x one layer's weights, multiply-adds) runs faster on the calling thread alone.
+# The same bound applies to the output layer when it is
 # bigger than a layer. It is only where ThreadChooser starts: the crossover depends on the host.
 SINGLE_THREAD_LAYER_MACS = 32e6
 

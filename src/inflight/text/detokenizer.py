@@ -53,19 +53,11 @@ class IncrementalDetokenizer:
         # Window positions known to be character boundaries (all text before them decoded): the places
         # where the window may restart. 0 always is one.
         self._marks = [0, self._read]
-        self._out: list[str] = []  # emitted deltas
         self._pending = ""  # decoded text not emitted yet: it may begin a stop string
         # How many leading characters of _pending came before stop strings were checked (min_tokens): a
         # stop string may begin in them but must end after them, as in vLLM.
         self._unchecked = 0
         self.stop_string: str | None = None  # the stop string that ended the text, once one did
-
-    @property
-    def output_text(self) -> str:
-        """Everything emitted so far, flushed text included."""
-        if len(self._out) > 1:
-            self._out = ["".join(self._out)]
-        return self._out[0] if self._out else ""
 
     @property
     def stopped(self) -> bool:
@@ -152,20 +144,15 @@ class IncrementalDetokenizer:
                 if hit >= 0:
                     self.stop_string = first
                     self._pending = ""
-                    return self._emit(pending[: end if self.include_stop_str_in_output else hit]), True
+                    return pending[: end if self.include_stop_str_in_output else hit], True
             held = 0 if final else min(self._max_hold, len(pending))
             # Of the held text, what was unchecked stays so (a step may add no text: a partial character).
             self._unchecked = max(0, self._unchecked - (len(pending) - held)) if check_stop else held
             if held:
                 self._pending = pending[-held:]
-                return self._emit(pending[:-held]), False
+                return pending[:-held], False
         self._pending = ""
-        return self._emit(pending), False
-
-    def _emit(self, delta: str) -> str:
-        if delta:
-            self._out.append(delta)
-        return delta
+        return pending, False
 
     def _keep(self, ids: list[int]) -> list[int]:
         return [t for t in ids if t not in self._skipped]

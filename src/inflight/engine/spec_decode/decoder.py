@@ -15,20 +15,12 @@ if TYPE_CHECKING:
     from inflight.config import SpeculativeConfig
     from inflight.engine.sequence import Sequence
 
-# How many drafts a sequence gets (StepCost): its j-th draft is worth proposing while the chance that it is
-# accepted exceeds what one more row costs the step, counted in the tokens the step would otherwise give: from
-# the engine's own measured step times. That chance is a product of conditional rates, one per position (the
-# j-th draft is accepted given that the ones before it were), each from the sequence's last WINDOW proposals
-# with the rate before it as a prior (the first: the engine's recent rate): a free-text match often gives one
-# right token and no second, where a copy runs on. No draft is worth it: the sequence stops proposing for
-# COOLDOWN_STEPS decode steps, then tries again from a fresh window. Then the step keeps the drafts that maximise
-# its goodput (expected tokens per second, TurboSpec's criterion) under the measured time of each row count: a
-# step's cost is not linear in its rows (a GEMM's row blocks), so a few drafts may ride along where more would
-# take another pass. Under both, a floor on the window's acceptance (lower alone, where draft rows ride along with
-# a step that streams the weights anyway): in a batch whose requests end together the step-time view overrates a
-# draft (it shortens a request, not the batch), and free text at 8 in flight broke even near 40% (measured).
-# In a batch, a sequence whose proposer found nothing MISS_LIMIT steps running looks only every MISS_REST + 1-th
-# step until it finds a draft again: in free text most lookups find nothing, and a step pays for each.
+# A sequence's j-th draft is proposed while its chance of acceptance (a product of per-position rates from the
+# sequence's last WINDOW proposals, the engine's rates as a prior) exceeds what one more row costs the step
+# (StepCost, from the engine's step times); with no draft worth it the sequence rests COOLDOWN_STEPS decode steps.
+# The step then keeps the drafts that maximise its goodput (TurboSpec's criterion), above a floor on acceptance
+# (higher in a batch: there a draft shortens one request, not the batch). A batched sequence whose lookups found
+# nothing MISS_LIMIT steps running looks only every MISS_REST + 1-th step: each lookup costs the step.
 WINDOW = 8
 MIN_ACCEPTANCE = 0.2
 SMALL_BATCH = 4

@@ -117,8 +117,7 @@ def token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Ten
 
     A prompt token at position p attends to tokens 0..p exactly as a decode step at p would, through the
     same op: a token's attention is then the same bits whether it arrives in a prompt, a chunk, after a
-    cached prefix or after preemption (SDPA's results depend on the chunk's length and split). It is
-    also faster than SDPA on prompts here (docs/PERFORMANCE.md, "CPU attention").
+    cached prefix or after preemption (SDPA's results depend on the chunk's length and split).
     """
     qlens = meta.query_lens_np
     if (qlens == 1).all():
