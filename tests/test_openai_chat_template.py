@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from inflight.serving.openai.chat_template import ChatTemplate, ChatTemplateError
-from inflight.serving.openai.checkpoint import Checkpoint
+from inflight.serving.openai.renderer import PromptRenderer
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello"}],
@@ -69,11 +69,11 @@ def test_renders_like_hf(demo_model_dir, hf_tokenizer, template, conversation, a
 @pytest.mark.parametrize("conversation", CONVERSATIONS)
 def test_chat_prompt_tokenizes_to_hf_ids(demo_model_dir, hf_tokenizer, conversation):
     """The model adds BOS when it tokenizes; the template's own is dropped so that it is not doubled."""
-    checkpoint = Checkpoint.load(demo_model_dir)
-    prompt = checkpoint.chat_prompt(conversation, add_generation_prompt=True)
+    renderer = PromptRenderer.load(demo_model_dir)
+    prompt = renderer.chat_prompt(conversation, add_generation_prompt=True)
     expected = hf_tokenizer.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"]
-    assert checkpoint.tokenizer.encode(prompt).ids == expected
-    assert checkpoint.num_tokens(prompt) == len(expected)
+    assert renderer.tokenizer.encode(prompt).ids == expected
+    assert renderer.num_tokens(prompt) == len(expected)
 
 
 def test_template_errors_are_chat_template_errors(demo_model_dir):
@@ -94,15 +94,15 @@ def test_checkpoint_without_template_says_so(demo_model_dir, tmp_path):
     config = json.loads((model / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (model / "tokenizer_config.json").write_text(json.dumps(config))
-    checkpoint = Checkpoint.load(model)
+    renderer = PromptRenderer.load(model)
     with pytest.raises(ChatTemplateError, match="has no chat template.*/v1/completions"):
-        checkpoint.chat_prompt([{"role": "user", "content": "x"}], True)
+        renderer.chat_prompt([{"role": "user", "content": "x"}], True)
     (model / "chat_template.jinja").write_text(PLAIN)  # HF's newer layout wins over tokenizer_config.json
-    prompt = Checkpoint.load(model).chat_prompt([{"role": "user", "content": "x"}], True)
+    prompt = PromptRenderer.load(model).chat_prompt([{"role": "user", "content": "x"}], True)
     assert prompt == "<user>\nx\n</user>\n<assistant>\n"
 
 
 def test_checkpoint_elsewhere_says_so(tmp_path):
-    checkpoint = Checkpoint.load(tmp_path / "on-another-host")
+    renderer = PromptRenderer.load(tmp_path / "on-another-host")
     with pytest.raises(ChatTemplateError, match="not on this machine: start the API with --model"):
-        checkpoint.chat_prompt([{"role": "user", "content": "x"}], True)
+        renderer.chat_prompt([{"role": "user", "content": "x"}], True)

@@ -294,8 +294,8 @@ def test_a_silent_stream_is_a_504_before_the_first_byte_and_an_error_event_after
     monkeypatch, demo_model_dir, sent, status
 ):
     app = create_app("fake:1", model_dir=demo_model_dir, limits=FrontLimits(stream_timeout_s=0.2))
-    frontend = app.state.frontend
-    frontend.llm = _stalled_llm(monkeypatch, sent, 0.2)
+    served = app.state.served_model
+    served.llm = _stalled_llm(monkeypatch, sent, 0.2)
     body = json.dumps({"model": "llm", "prompt": "hi", "max_tokens": 4, "stream": True}).encode()
     got, _, out, _ = asyncio.run(call(app, chunks=[body], headers=(("content-type", "application/json"),)))
     assert got == status
@@ -305,7 +305,7 @@ def test_a_silent_stream_is_a_504_before_the_first_byte_and_an_error_event_after
         events = [line[6:] for line in out.decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
         assert json.loads(events[-2])["error"]["code"] == "timeout"
-    assert frontend.llm._client.call.cancelled
+    assert served.llm._client.call.cancelled
 
 
 # ---- flags -------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.model_source import default_model_path, gguf_metadata
 from inflight.models.config import ModelConfig
-from inflight.serving.openai.checkpoint import Checkpoint
+from inflight.serving.openai.renderer import PromptRenderer
 
 transformers = pytest.importorskip("transformers")
 
@@ -113,7 +113,7 @@ CONVERSATIONS = [
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_chat_template_renders_as_hf_apply_chat_template(gguf_path, hf_tok, add_generation_prompt):
-    checkpoint = Checkpoint.load(gguf_path, max_model_len=2048)
+    checkpoint = PromptRenderer.load(gguf_path, max_model_len=2048)
     assert checkpoint.max_model_len == 2048 and checkpoint.template is not None
     for messages in CONVERSATIONS:
         hf = hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
@@ -150,7 +150,7 @@ def test_greedy_matches_hf(gguf_path, hf_reference, engine_args):
 
 def test_default_model_answers_a_factual_question(gguf_path):
     llm = LLM(dtype="float32", num_kv_blocks=32, max_model_len=256)  # no model: the default, this GGUF
-    prompt = Checkpoint.load(gguf_path).chat_prompt(CONVERSATIONS[0], add_generation_prompt=True)
+    prompt = PromptRenderer.load(gguf_path).chat_prompt(CONVERSATIONS[0], add_generation_prompt=True)
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24))[0]
     assert "Paris" in out.text and out.finish_reason == "stop", out.text
 

@@ -41,7 +41,7 @@ from inflight import LLM, SamplingParams
 from inflight.engine.spec_decode.decoder import make_proposer
 from inflight.engine.spec_decode.ngram import NgramProposer
 from inflight.engine.spec_decode.suffix import SuffixProposer
-from inflight.serving.openai.checkpoint import Checkpoint
+from inflight.serving.openai.renderer import PromptRenderer
 
 ROOT = Path(__file__).resolve().parents[2]
 METHODS = ("ngram", "suffix")
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     engines = {"off": LLM(args.model, dtype=args.dtype, max_num_seqs=8)}
     for m in args.methods:
         engines[m] = LLM(args.model, dtype=args.dtype, max_num_seqs=8, speculative_config=spec_config(args, m))
-    checkpoint = Checkpoint.resolve(args.model)
+    checkpoint = PromptRenderer.resolve(args.model)
     off = engines["off"]
     traces = {
         name: [off.engine.tokenize(chat_prompt(checkpoint, t)) for t in texts] * args.copies
@@ -182,7 +182,7 @@ def measure_cell(args: argparse.Namespace, engines: dict[str, LLM], trace: str, 
     return cell
 
 
-def chat_prompt(checkpoint: Checkpoint, text: str) -> str:
+def chat_prompt(checkpoint: PromptRenderer, text: str) -> str:
     """The request as the chat API sends it: the model's chat template applied, when it has one."""
     if checkpoint.template is None:
         return text

@@ -10,7 +10,7 @@ from e2e_util import ENGINE_ARGS
 from inflight.launcher.server import LauncherError, TritonServer
 from inflight.model_source import default_model_path
 from inflight.serving.openai import OpenAIServer
-from inflight.serving.openai.checkpoint import Checkpoint
+from inflight.serving.openai.renderer import PromptRenderer
 
 openai = pytest.importorskip("openai")
 
@@ -41,7 +41,7 @@ def test_the_default_model_answers_paris_over_openai_and_grpc(default_server):
 
     from inflight_client import LLMClient
 
-    prompt = Checkpoint.load(default_model_path()).chat_prompt(QUESTION, add_generation_prompt=True)
+    prompt = PromptRenderer.load(default_model_path()).chat_prompt(QUESTION, add_generation_prompt=True)
     done = LLMClient(default_server.grpc_url, timeout_s=120).generate(prompt, {"max_tokens": 24, "temperature": 0})
     assert done.text == answer and done.finish_reason == "stop"
     assert len([d for d in done.deltas if d.text]) > 1  # streamed

@@ -1,6 +1,6 @@
-"""What the front reads from the served checkpoint: its chat template, its tokenizer (to count a chat
-prompt's tokens for the default max_tokens) and max_model_len. Never the weights. An HF directory or a
-GGUF file (its metadata: inflight.model_source)."""
+"""The front's prompt renderer: the served model's chat template, its tokenizer (to count a chat prompt's
+tokens for the default max_tokens) and max_model_len, read from an HF directory or a GGUF file's metadata
+(inflight.model_source). Never the weights."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from inflight.serving.openai.chat_template import ChatTemplate, ChatTemplateErro
 
 
 @dataclass
-class Checkpoint:
+class PromptRenderer:
+    """Renders chat prompts with the served model's template and counts their tokens with its tokenizer."""
+
     model_dir: Path
     max_model_len: int | None
     template: ChatTemplate | None
@@ -25,7 +27,7 @@ class Checkpoint:
     tokenizer: Tokenizer | None
 
     @classmethod
-    def resolve(cls, spec: str | Path | None, max_model_len: int | None = None) -> Checkpoint:
+    def resolve(cls, spec: str | Path | None, max_model_len: int | None = None) -> PromptRenderer:
         """`spec` as the model takes it: None = the default model, "demo", or a path."""
         try:
             model_dir = resolve_model(spec)
@@ -34,7 +36,7 @@ class Checkpoint:
         return cls.load(model_dir, max_model_len)
 
     @classmethod
-    def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> Checkpoint:
+    def load(cls, model_dir: str | Path, max_model_len: int | None = None) -> PromptRenderer:
         """`max_model_len`: the engine's setting, if any; capped by the checkpoint's, as the engine does."""
         model_dir = Path(model_dir)
         if not model_dir.exists():  # e.g. the Triton model's `model` path, on another host
@@ -58,7 +60,7 @@ class Checkpoint:
         return cls(model_dir, min(limits) if limits else None, template, error, tokenizer)
 
     @classmethod
-    def _load_gguf(cls, path: Path, max_model_len: int | None) -> Checkpoint:
+    def _load_gguf(cls, path: Path, max_model_len: int | None) -> PromptRenderer:
         meta = gguf_metadata(path)
         try:
             template, error = ChatTemplate.from_gguf(path), None
