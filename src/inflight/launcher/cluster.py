@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from inflight.launcher.console import say
 from inflight.launcher.server import LauncherError, TritonServer
 
 LOOPBACK = "127.0.0.1"
@@ -309,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         cluster.start()
-        print(
-            f"cluster ready: {cluster.replicas} replicas behind Dynamo's {ns.router_mode} router; "
+        say(
+            f"ready: {cluster.replicas} replicas behind Dynamo's {ns.router_mode} router; "
             f"OpenAI API at {cluster.url}/v1 (model {cluster.model_name()!r}). Ctrl-C stops all.",
-            flush=True,
+            "inflight cluster",
         )
         while True:
             cluster._check_alive()
@@ -320,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         pass
     except LauncherError as e:
-        print(f"inflight cluster: {e}", file=sys.stderr)
+        say(str(e), "inflight cluster")
         return 1
     finally:
         cluster.stop()

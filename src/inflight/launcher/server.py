@@ -1,4 +1,5 @@
-"""Run a real `tritonserver` (found by triton_dist.py) on a model repository; stop it cleanly.
+"""Run a real `tritonserver` (found by triton_dist.py) on a model repository; stop it cleanly. The process
+plumbing only: supervisor.py watches a running one.
 
 The model repository is always served from a generated copy in a temp dir: engine settings given on
 the command line are written into that copy's config.pbtxt `parameters`, and the source tree stays
@@ -15,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
@@ -23,24 +23,15 @@ import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from inflight.launcher.triton_dist import LauncherError, find_server, prepare_backends, server_env
 
-__all__ = ["LauncherError", "StubWatch", "TritonServer", "free_port", "free_ports", "serve", "write_model_repository"]
+__all__ = ["LauncherError", "TritonServer", "free_port", "free_ports", "write_model_repository"]
 
 MODEL_NAME = "llm"
-# `serve` checks the model's readiness this often and exits after this many failures in a row.
-MODEL_CHECK_INTERVAL_S = 1.0
-MODEL_CHECKS_BEFORE_EXIT = 3
-MODEL_GONE_EXIT_CODE = 3
-# A dead backend stub (killed, OOM) leaves the model READY while every request fails ("Stub process is not
-# healthy"): `serve` reloads the model (a fresh stub and engine) at most this many times in STUB_RESTART_WINDOW_S,
-# then exits with STUB_DEAD_EXIT_CODE.
-STUB_RESTARTS = 3
-STUB_RESTART_WINDOW_S = 600.0
-STUB_DEAD_EXIT_CODE = 4
 STUB_RELOAD_TIMEOUT_S = 600.0
 _SHM_DIR = Path("/dev/shm")
 _REPOSITORY_KEY = "inflight-repository-key"
@@ -180,15 +171,18 @@ class TritonServer:
             *self.extra_args,
         ]
 
-    def start(self) -> TritonServer:
+    def _prepare_run_dir(self) -> tuple[Path, Path, dict[str, str]]:
+        """A fresh run directory with the model repository's copy and the backends: (repository, backends, env)."""
         self.run_dir = Path(tempfile.mkdtemp(prefix="inflight-serve-"))
         try:
             repository = write_model_repository(self.source, self.run_dir / "model_repository", self.parameters)
-            backends = prepare_backends(self.dist, self.run_dir)
-            env = server_env(self.dist)
+            return repository, prepare_backends(self.dist, self.run_dir), server_env(self.dist)
         except BaseException:
             self._cleanup()
             raise
+
+    def start(self) -> TritonServer:
+        repository, backends, env = self._prepare_run_dir()
         out = None
         if self.log_path is not None:
             self._log_file = out = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the server
@@ -262,7 +256,18 @@ class TritonServer:
         does not reap it), so it is found dead rather than gone."""
         if self.process is None:
             return {}
-        return {pid: alive for pid, name, alive in _children(self.process.pid) if name.startswith("triton_python")}
+        try:
+            children = psutil.Process(self.process.pid).children()
+        except psutil.Error:  # the server is gone
+            return {}
+        stubs = {}
+        for child in children:
+            try:
+                if child.name().startswith("triton_python"):
+                    stubs[child.pid] = child.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+            except psutil.Error:  # gone meanwhile
+                continue
+        return stubs
 
     def shm_regions(self) -> list[Path]:
         """This launch's Python-backend shared-memory regions in /dev/shm."""
@@ -317,74 +322,6 @@ class TritonServer:
         self.stop()
 
 
-def _children(pid: int) -> list[tuple[int, str, bool]]:
-    """(pid, command name, alive) of `pid`'s child processes, read from /proc (Linux); alive = not a zombie."""
-    found = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return found
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, the last ')' ends it
-        name = stat[stat.find("(") + 1 : stat.rfind(")")]
-        state, ppid = stat[stat.rfind(")") + 2 :].split()[:2]
-        if int(ppid) == pid:
-            found.append((int(entry), name, state not in ("Z", "X")))
-    return found
-
-
-class StubWatch:
-    """Notices the model's backend stub dying under a READY model, and reloads the model (bounded)."""
-
-    def __init__(self, server: TritonServer) -> None:
-        self.server = server
-        self.known_dead: set[int] = set()
-        self.restarts: list[float] = []
-
-    def newly_dead(self) -> list[int]:
-        dead = [pid for pid, alive in self.server.stub_pids().items() if not alive and pid not in self.known_dead]
-        self.known_dead.update(dead)
-        return dead
-
-    def check(self) -> int | None:
-        """Reload the model if a stub died; None while serving, else the exit code `serve` should return."""
-        dead = self.newly_dead()
-        if not dead or self.server.model_state() != "READY":  # a model unloading itself is not a crash
-            return None
-        now = time.monotonic()
-        self.restarts = [t for t in self.restarts if now - t < STUB_RESTART_WINDOW_S] + [now]
-        if len(self.restarts) > STUB_RESTARTS:
-            _say(
-                f"model {MODEL_NAME!r}: its Python backend stub (pid {', '.join(map(str, dead))}) died again, "
-                f"{len(self.restarts)} times in {STUB_RESTART_WINDOW_S:.0f}s; stopping with exit code "
-                f"{STUB_DEAD_EXIT_CODE}"
-            )
-            return STUB_DEAD_EXIT_CODE
-        _say(
-            f"model {MODEL_NAME!r}: its Python backend stub (pid {', '.join(map(str, dead))}) died (killed?); requests "
-            "fail until it is back: reloading the model"
-        )
-        started = time.monotonic()
-        error = self.server.load_model()
-        if error is not None:
-            _say(f"model {MODEL_NAME!r} could not be reloaded ({error}); stopping with exit code {STUB_DEAD_EXIT_CODE}")
-            return STUB_DEAD_EXIT_CODE
-        self.known_dead.update(pid for pid, alive in self.server.stub_pids().items() if not alive)
-        _say(f"model {MODEL_NAME!r} reloaded in {time.monotonic() - started:.1f}s")
-        return None
-
-
-def _say(message: str) -> None:
-    print(f"inflight: {message}", file=sys.stderr, flush=True)
-
-
 def _die_with_parent() -> None:
     """In the child before exec: SIGTERM it when the launching thread dies without stopping it (Linux).
 
@@ -397,77 +334,3 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
-
-
-def serve(
-    server: TritonServer, openai_port: int = 0, openai_host: str = "0.0.0.0", model_dir: str | None = None
-) -> int:
-    """Run in the foreground until the server exits or Ctrl-C / SIGTERM; return its exit code.
-
-    openai_port: also serve the OpenAI-compatible API there (0 = not), a client of the server's gRPC port."""
-    stop_requested = False
-    api = None
-
-    def request_stop(signum, _frame) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.start()
-        print(
-            f"inflight: tritonserver {server.dist.executable} serving {MODEL_NAME!r}: gRPC {server.grpc_url}, "
-            f"HTTP {server.http_url}, metrics {server.metrics_url}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if openai_port:
-            from inflight.serving.openai import OpenAIServer
-
-            try:
-                api = OpenAIServer(
-                    server.grpc_url, openai_port, openai_host, model_dir=model_dir, metrics_url=server.metrics_url
-                ).start()
-            except RuntimeError as e:
-                raise LauncherError(str(e)) from None
-            print(f"inflight: OpenAI-compatible API on {api.url}/v1", file=sys.stderr, flush=True)
-        # The model unloads itself when its engine cannot recover; tritonserver stays up (its server-level
-        # readiness may stay true), so the model's own readiness is what says this process is still useful.
-        # Loading (which may take minutes) is not gone; a failed load ends tritonserver itself.
-        unready, model_gone, next_check = 0, False, time.monotonic() + MODEL_CHECK_INTERVAL_S
-        stubs, exit_code = StubWatch(server), None
-        while not stop_requested and server.process is not None and server.process.poll() is None:
-            time.sleep(0.2)
-            if time.monotonic() >= next_check:
-                exit_code = stubs.check()
-                if exit_code is not None:
-                    break
-                next_check = time.monotonic() + MODEL_CHECK_INTERVAL_S
-                unready = unready + 1 if server.model_state() in ("UNLOADING", "UNAVAILABLE") else 0
-                model_gone = unready >= MODEL_CHECKS_BEFORE_EXIT
-                if model_gone:
-                    print(
-                        f"inflight: model {MODEL_NAME!r} is no longer ready (it unloads itself when its engine "
-                        f"cannot recover; see the log above); stopping with exit code {MODEL_GONE_EXIT_CODE}",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                    break
-        if stop_requested:
-            print("inflight: stopping tritonserver ...", file=sys.stderr, flush=True)
-        if api is not None:  # first: its open streams are cancelled while Triton still runs
-            api.stop()
-            api = None
-        code = server.stop()
-        if exit_code is not None:
-            return exit_code
-        if model_gone:
-            return MODEL_GONE_EXIT_CODE
-        return 0 if stop_requested else (code or 0)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-        if api is not None:
-            api.stop()
-        if server.process is not None and server.process.poll() is None:
-            server.stop()
