@@ -214,7 +214,8 @@ def _openai(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from inflight.launcher.server import LauncherError, TritonServer, serve
+    from inflight.launcher.server import LauncherError, TritonServer
+    from inflight.launcher.supervisor import serve
     from inflight.serving.openai.guard import set_default_limits
 
     # serve() builds the OpenAI server with create_app's default limits: these.
