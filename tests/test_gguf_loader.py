@@ -38,9 +38,30 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # llama.cpp's convert_h
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_hf_model(seed: int = 0):
+# K-quant super-blocks hold 256 weights: rows must be that long.
+TINY_K = TINY | dict(hidden_size=256, intermediate_size=256)
+# Where each block format keeps its fp16 scale(s) (byte offsets) and how large they may be for weights of ~0.3.
+_SCALES = {
+    Q.Q4_K: ((0, 3e-4), (2, 5e-3)),
+    Q.Q5_K: ((0, 1.5e-4), (2, 5e-3)),
+    Q.Q6_K: ((208, 7e-5),),
+    Q.Q2_K: ((80, 3e-3), (82, 3e-3)),
+}
+
+
+def random_blocks(qtype, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random bytes with finite fp16 scales: valid blocks of a format gguf cannot quantize to (K-quants)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    data = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset, scale in _SCALES[qtype]:
+        d = rng.uniform(0.5, 1.0, data.shape[:2]).astype(np.float16) * np.float16(scale)
+        data[:, :, offset : offset + 2] = d[..., None].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+def tiny_hf_model(seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY)).eval()
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(TINY | overrides))).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5 if p.dim() == 1 else 0.2)
@@ -51,6 +72,7 @@ def write_gguf(path: Path, model, qtype=Q.F32, arch: str = "llama", tokenizer_mo
     """Write `model` as llama.cpp would, its 2-D weights in `qtype`; returns the path. Also leaves each 2-D
     weight of `model` replaced by its dequantized self, so HF runs on exactly what the file holds."""
     cfg = model.config
+    rng = np.random.default_rng(0)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -68,14 +90,17 @@ def write_gguf(path: Path, model, qtype=Q.F32, arch: str = "llama", tokenizer_mo
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy()
         if data.ndim == 2:
-            quantized = gguf.quants.quantize(data, qtype)
+            if qtype in _SCALES:
+                quantized = random_blocks(qtype, *data.shape, rng)
+            else:
+                quantized = gguf.quants.quantize(data, qtype)
             with torch.no_grad():  # row-wise blocks: the same values whatever the row order
                 tensor.copy_(torch.from_numpy(gguf.quants.dequantize(quantized, qtype).reshape(data.shape)))
             if name.endswith("q_proj.weight"):
-                data = _permute(data, cfg.num_attention_heads)
+                quantized = _permute(quantized, cfg.num_attention_heads)
             elif name.endswith("k_proj.weight"):
-                data = _permute(data, cfg.num_key_value_heads)
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+                quantized = _permute(quantized, cfg.num_key_value_heads)
+            w.add_tensor(_gguf_name(name), quantized, raw_dtype=qtype)
         else:
             w.add_tensor(_gguf_name(name), data)
     w.write_header_to_file()
@@ -96,10 +121,27 @@ def test_every_tensor_type_matches_hf_on_the_same_weights(tmp_path, qtype):
     assert not cfg.tie_word_embeddings  # output.weight is in the file
 
 
+@pytest.mark.parametrize("qtype", [Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("weight_format", ["dequantized", "auto"])
+def test_five_bit_and_k_quants_match_hf_on_the_same_weights(tmp_path, qtype, weight_format):
+    hf = tiny_hf_model(**TINY_K)
+    path = write_gguf(tmp_path / "tiny.gguf", hf, qtype)
+    ids = [1, 7, 42, 99, 3, 250, 17, 64, 5, 8, 120, 33, 2, 77, 150, 9, 11, 260, 31, 4]
+    torch.testing.assert_close(
+        engine_logits(path, ids, weight_format=weight_format), hf_logits(hf, ids), atol=2e-4, rtol=1e-4
+    )
+
+
 def test_unsupported_tensor_type_is_named(tmp_path):
-    path = write_gguf(tmp_path / "q5.gguf", tiny_hf_model(), Q.Q5_0)
-    with pytest.raises(ConfigError, match=r"Q5_0.*supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1"):
+    path = write_gguf(tmp_path / "q2.gguf", tiny_hf_model(**TINY_K), Q.Q2_K)
+    with pytest.raises(ConfigError, match=r"token_embd.weight \(Q2_K\).*supported: F32, F16, BF16, Q8_0, .*Q6_K"):
         load_model(path, torch.float32, "cpu")
+
+
+def test_weight_format_is_checked(tmp_path):
+    path = write_gguf(tmp_path / "q4.gguf", tiny_hf_model(), Q.Q4_0)
+    with pytest.raises(ConfigError, match="weight_format='int4' is invalid"):
+        load_model(path, torch.float32, "cpu", weight_format="int4")
 
 
 def test_unsupported_architecture_and_tokenizer_are_named(tmp_path):

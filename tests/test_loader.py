@@ -40,8 +40,8 @@ def make_checkpoint(tmp: Path, arch: str, **extra) -> Path:
     return tmp
 
 
-def engine_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
-    model, cfg = load_model(model_dir, torch.float32, "cpu")
+def engine_logits(model_dir: Path, ids: list[int], weight_format: str = "auto") -> torch.Tensor:
+    model, cfg = load_model(model_dir, torch.float32, "cpu", weight_format)
     model.init_rope(cfg.max_position_embeddings, torch.device("cpu"))
     n, bs = len(ids), 16
     nblk = -(-n // bs)

@@ -29,7 +29,7 @@ from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
 from inflight.model_source import resolve_model
 from inflight.models.config import ModelConfig, config_errors
-from inflight.models.loader import load_model, load_tokenizer
+from inflight.models.loader import load_model, load_tokenizer, weight_bytes
 from inflight.ops import dtype_probe
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import InvalidRequestError, SamplingParams
@@ -58,7 +58,9 @@ class LLMEngine:
         ckpt = ModelConfig.load(model_dir)
         self.dtype, why = config.resolve_dtype(ckpt.torch_dtype, bf16_probe(ckpt))
         logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, why)
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device)
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, config.weight_format)
+        self.model_weight_bytes = weight_bytes(self.model)
+        logger.info("model weights: %.1f MiB", self.model_weight_bytes / 2**20)
         self.tokenizer = load_tokenizer(model_dir)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

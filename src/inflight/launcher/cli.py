@@ -18,6 +18,7 @@ from inflight.config import (
     DTYPES,
     KV_RESERVATIONS,
     SCHEDULING_POLICIES,
+    WEIGHT_FORMATS,
     ConfigError,
     EngineConfig,
     SpeculativeConfig,
@@ -37,6 +38,8 @@ _HELP = {
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix", "num_speculative_tokens": 8}\' '
     "(default: off)",
+    "weight_format": "GGUF: auto (keep quantized blocks where a kernel computes them here, else dequantize), "
+    "packed or dequantized",
     "dtype": "auto: the checkpoint's on GPU; on CPU bfloat16 with AMX / AVX512-BF16, else float32 (logged)",
     "kv_events_config": "vLLM's KV events for KV-aware routers, JSON: "
     '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' (default: off)',
@@ -46,6 +49,7 @@ _CHOICES = {
     "scheduling_policy": list(SCHEDULING_POLICIES),
     "kv_reservation": list(KV_RESERVATIONS),
     "attention_backend": list(ATTENTION_BACKENDS),
+    "weight_format": list(WEIGHT_FORMATS),
 }
 
 

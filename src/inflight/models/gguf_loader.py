@@ -1,4 +1,5 @@
-"""Load a Llama-family GGUF file: tensors dequantized at load to the engine's dtype (no quantized compute).
+"""Load a Llama-family GGUF file: each tensor either kept as the file's blocks (for the packed-weight kernels)
+or dequantized at load to the engine's dtype.
 
 llama.cpp's names map onto HF's (token_embd -> model.embed_tokens, blk.N.attn_q -> ...q_proj, ...), and
 its converter stored Q and K with the rows of each head interleaved for its RoPE layout (pairs (i, i+d/2)
@@ -7,6 +8,7 @@ side by side); that permutation is undone here, as transformers' GGUF loader doe
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -15,9 +17,11 @@ import torch
 
 from inflight.config import ConfigError
 from inflight.model_source import gguf_metadata
+from inflight.models.quantized import GGUFWeight
 
-# The tensor types this loader dequantizes (gguf.quants does the arithmetic).
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1")
+# The tensor types this loader reads (gguf.quants dequantizes each of them; the block formats may stay packed).
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+FLOAT_TENSOR_TYPES = ("F32", "F16", "BF16")
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,31 +57,63 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def read_tensors(path: Path, num_heads: int, num_kv_heads: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """Every tensor of the file under its HF name, dequantized, in `dtype` on `device`."""
-    from gguf.quants import dequantize
-
-    reader = gguf_metadata(path).reader  # the parse the config and tokenizer already paid for
-    unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(SUPPORTED_TENSOR_TYPES))
+def tensor_types(path: Path) -> dict[str, str]:
+    """Each tensor's HF name and GGUF type name (e.g. "Q4_K"); raises naming the first unsupported tensor."""
+    reader = gguf_metadata(path).reader
+    unsupported = [t for t in reader.tensors if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES]
     if unsupported:
-        which = [t.name for t in reader.tensors if t.tensor_type.name in unsupported]
-        more = f" (+{len(which) - 3} more)" if len(which) > 3 else ""
-        raise ConfigError(
-            f"{path.name}: GGUF tensor type(s) {', '.join(unsupported)} not supported (in {which[:3]}{more}); "
-            f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}"
-        )
-    out: dict[str, torch.Tensor] = {}
+        which = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in unsupported[:3])
+        more = f" (+{len(unsupported) - 3} more)" if len(unsupported) > 3 else ""
+        supported = ", ".join(SUPPORTED_TENSOR_TYPES)
+        raise ConfigError(f"{path.name}: GGUF tensor type not supported: {which}{more}; supported: {supported}")
+    types: dict[str, str] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         if name is None:
             raise ConfigError(f"{path.name}: unexpected GGUF tensor {t.name!r} for a llama model")
+        types[name] = t.tensor_type.name
+    return types
+
+
+def read_tensors(
+    path: Path,
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype,
+    device,
+    keep_packed: frozenset[str] | set[str] = frozenset(),
+) -> dict[str, torch.Tensor | GGUFWeight]:
+    """Every tensor of the file under its HF name: those named in `keep_packed` as their blocks (`GGUFWeight`,
+    rows in HF order, on the CPU), the others dequantized, in `dtype` on `device`."""
+    from gguf.quants import dequantize
+
+    tensor_types(path)  # the checks above
+    reader = gguf_metadata(path).reader  # the parse the config and tokenizer already paid for
+    out: dict[str, torch.Tensor | GGUFWeight] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        heads = num_heads if t.name.endswith("attn_q.weight") else num_kv_heads
+        permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
+        if name in keep_packed:
+            blocks = torch.from_numpy(np.asarray(t.data)).reshape(shape[0], -1)  # [rows, bytes], the file's pages
+            if permuted:  # a permutation of whole rows: each row's blocks move as they are
+                blocks = unpermute_qk(blocks, heads)
+            out[name] = GGUFWeight(qtype=int(t.tensor_type), data=blocks, shape=shape)
+            continue
         array = np.ascontiguousarray(dequantize(t.data, t.tensor_type))  # float32, shape reversed from ggml's
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
             array = array.copy()
-        tensor = torch.from_numpy(array).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
-        if t.name.endswith("attn_q.weight"):
-            tensor = unpermute_qk(tensor, num_heads)
-        elif t.name.endswith("attn_k.weight"):
-            tensor = unpermute_qk(tensor, num_kv_heads)
+        tensor = torch.from_numpy(array).reshape(shape)
+        if permuted:
+            tensor = unpermute_qk(tensor, heads)
         out[name] = tensor.to(device=device, dtype=dtype)
     return out
+
+
+def release_file_pages(path: Path) -> None:
+    """Drop the file's pages this process touched while loading (the packed copies hold what is needed)."""
+    data = getattr(gguf_metadata(path).reader, "data", None)
+    mapping = getattr(data, "_mmap", None)
+    if mapping is not None and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)

@@ -48,6 +48,8 @@ class Attention(nn.Module):
 
     def fuse(self) -> None:
         """q/k/v as one [Hq + 2 Hkv] * D projection: one GEMM reads x once (vLLM's QKVParallelLinear)."""
+        if hasattr(self, "qkv_proj"):  # built fused from a file's blocks (models/quantized.py)
+            return
         parts = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_proj = _stacked(parts)
         del self.q_proj, self.k_proj, self.v_proj
@@ -75,6 +77,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def fuse(self) -> None:
+        if hasattr(self, "gate_up_proj"):
+            return
         self.gate_up_proj = _stacked((self.gate_proj, self.up_proj))
         del self.gate_proj, self.up_proj
 

@@ -1,5 +1,6 @@
 """Load a model — all or nothing: an HF checkpoint directory (config.json, *.safetensors, tokenizer.json)
-or a GGUF file (a .gguf, or a directory holding one; tensors dequantized by models/gguf_loader.py)."""
+or a GGUF file (a .gguf, or a directory holding one): its quantized linears and embedding kept as the file's
+blocks where a kernel computes them (`weight_format`), the other tensors dequantized by models/gguf_loader.py."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from tokenizers import Tokenizer
 from inflight.config import ConfigError
 from inflight.model_source import find_gguf, gguf_metadata
 from inflight.models.config import ModelConfig, config_errors
-from inflight.models.gguf_loader import read_tensors
+from inflight.models.gguf_loader import FLOAT_TENSOR_TYPES, read_tensors, release_file_pages, tensor_types
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import pack_linears
+from inflight.models.quantized import GGUFWeight, QuantizedEmbedding, QuantizedLinear, packed_kernel_available
 from inflight.ops import cpu
 
 logger = logging.getLogger(__name__)
@@ -52,10 +54,18 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
     return Tokenizer.from_file(str(path))
 
 
+WEIGHT_FORMATS = ("auto", "packed", "dequantized")
+
+
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device
+    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, weight_format: str = "auto"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """`weight_format` (GGUF files): `packed` keeps every quantized linear and embedding as its blocks (an error
+    names a tensor no kernel here computes), `dequantized` none, `auto` those a kernel computes on this device."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ConfigError(f"weight_format={weight_format!r} is invalid: must be one of {', '.join(WEIGHT_FORMATS)}")
     model_dir = Path(model_dir)
+    device = torch.device(device)
     with config_errors():
         gguf_file = find_gguf(model_dir)
     cfg = ModelConfig.load(model_dir)
@@ -64,28 +74,126 @@ def load_model(
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
+    packed: dict[str, GGUFWeight] = {}
     if gguf_file is not None:
-        loaded = read_tensors(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads, dtype, device)
+        keep = packed_groups(gguf_file.name, tensor_types(gguf_file), model, dtype, device, weight_format)
+        loaded = read_tensors(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads, dtype, device, keep)
         for name, tensor in loaded.items():
             _check_tensor(gguf_file.name, name, tensor, expected, cfg, "the GGUF metadata")
+        packed = {name: w for name, w in loaded.items() if isinstance(w, GGUFWeight)}
+        loaded = {name: t for name, t in loaded.items() if not isinstance(t, GGUFWeight)}
     else:
         loaded = _read_safetensors(model_dir, cfg, expected, dtype, device)
-    missing = sorted(set(expected) - set(loaded))
+    missing = sorted(set(expected) - set(loaded) - set(packed))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ConfigError(f"{model_dir}: checkpoint lacks tensor(s) {missing[:5]}{more}")
     model.load_state_dict(loaded, strict=False, assign=True)
-    if cfg.tie_word_embeddings:
+    _install_packed(model, packed, dtype, device)
+    if cfg.tie_word_embeddings and not isinstance(model.model.embed_tokens, QuantizedEmbedding):
         model.lm_head.weight = model.model.embed_tokens.weight
     model.fuse_projections()
     # CPU fp32/bf16 only; a no-op elsewhere. A tied lm_head is packed too where our GEMM runs it (a copy of the
     # embedding: the output layer is a large share of a small model's decode step); else it keeps the tensor.
     skip = set()
-    if cfg.tie_word_embeddings and not _pack_tied_head(model.lm_head):
+    if cfg.tie_word_embeddings and isinstance(model.lm_head, torch.nn.Linear) and not _pack_tied_head(model.lm_head):
         skip = {model.lm_head}
     pack_linears(model, skip=skip)
     model.eval().requires_grad_(False)
+    if gguf_file is not None and packed:
+        release_file_pages(gguf_file)
     return model, cfg
+
+
+# Modules built from GGUF blocks: the HF names of their parts, fused along the outputs in this order.
+def _groups(model: LlamaForCausalLM) -> dict[str, tuple[str, ...]]:
+    groups: dict[str, tuple[str, ...]] = {"model.embed_tokens": ("model.embed_tokens.weight",)}
+    if not model.cfg.tie_word_embeddings:
+        groups["lm_head"] = ("lm_head.weight",)
+    for i in range(len(model.model.layers)):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        groups[f"{attn}.qkv_proj"] = tuple(f"{attn}.{p}_proj.weight" for p in "qkv")
+        groups[f"{attn}.o_proj"] = (f"{attn}.o_proj.weight",)
+        groups[f"{mlp}.gate_up_proj"] = (f"{mlp}.gate_proj.weight", f"{mlp}.up_proj.weight")
+        groups[f"{mlp}.down_proj"] = (f"{mlp}.down_proj.weight",)
+    return groups
+
+
+def packed_groups(
+    file: str, types: dict[str, str], model: LlamaForCausalLM, dtype: torch.dtype, device, weight_format: str
+) -> set[str]:
+    """The tensors to keep as blocks: every part of a module whose parts are all block-quantized with a kernel
+    for them on `device` in `dtype` (`auto`); `packed` raises naming a part without one."""
+    if weight_format == "dequantized":
+        return set()
+    state = model.state_dict()
+    keep: set[str] = set()
+    for parts in _groups(model).values():
+        quantized = [p for p in parts if p in types and types[p] not in FLOAT_TENSOR_TYPES]
+        if not quantized:
+            continue
+        in_features = state[parts[0]].shape[1]
+        missing = [p for p in quantized if not packed_kernel_available(types[p], dtype, device, in_features)]
+        if weight_format == "packed" and missing:
+            raise ConfigError(
+                f"{file}: weight_format='packed' but no {device.type} kernel computes {missing[0]} "
+                f"({types[missing[0]]}) in {str(dtype).removeprefix('torch.')}; use weight_format='auto' or "
+                "'dequantized'"
+            )
+        if len(quantized) == len(parts) and not missing:
+            keep.update(parts)
+    summary = sorted({types[p] for p in keep})
+    logger.info(
+        "weights: %d tensors kept as GGUF blocks (%s), %d dequantized to %s",
+        len(keep),
+        ", ".join(summary) or "none",
+        len(types) - len(keep),
+        str(dtype).removeprefix("torch."),
+    )
+    return keep
+
+
+def _install_packed(model: LlamaForCausalLM, packed: dict[str, GGUFWeight], dtype: torch.dtype, device) -> None:
+    """Put the modules computed on blocks in place of their meta-device HF modules (before fusing)."""
+    for module_name, parts in _groups(model).items():
+        if parts[0] not in packed:
+            continue
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        weights = [packed[p] for p in parts]
+        if attr == "embed_tokens":
+            embedding = QuantizedEmbedding.from_gguf(weights[0], dtype, device)
+            parent.embed_tokens = embedding
+            if model.cfg.tie_word_embeddings:
+                model.lm_head = embedding.lm_head()
+            continue
+        setattr(parent, attr, QuantizedLinear.from_gguf(weights, dtype, device))
+        for p in parts:  # the HF-named meta modules the fused one replaces
+            name = p.removesuffix(".weight").rpartition(".")[2]
+            if name != attr and hasattr(parent, name):
+                delattr(parent, name)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight the model holds once (a tied head counted with its embedding)."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedEmbedding)) and id(module) not in seen:
+            seen.add(id(module))
+            total += module.weight_bytes()
+            continue
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *_packed_of(module)]:
+            key = tensor.untyped_storage().data_ptr()
+            if key not in seen:
+                seen.add(key)
+                total += tensor.untyped_storage().nbytes()
+    return total
+
+
+def _packed_of(module: torch.nn.Module) -> list[torch.Tensor]:
+    packed = getattr(module, "packed", None)
+    return [packed] if isinstance(packed, torch.Tensor) else []
 
 
 TIED_HEAD_COPY_MAX_BYTES = 1 << 30  # a larger tied embedding is not copied into a packed output layer
@@ -102,7 +210,9 @@ def _pack_tied_head(head: torch.nn.Linear) -> bool:
     return True
 
 
-def _check_tensor(file: str, name: str, tensor: torch.Tensor, expected: dict, cfg: ModelConfig, source: str) -> None:
+def _check_tensor(
+    file: str, name: str, tensor: torch.Tensor | GGUFWeight, expected: dict, cfg: ModelConfig, source: str
+) -> None:
     if name not in expected:
         raise ConfigError(f"{file}: unexpected tensor {name!r} for {cfg.architecture}")
     if tuple(tensor.shape) != tuple(expected[name].shape):
