@@ -177,3 +177,45 @@ def llama_forward(
             *dims, eps, qk_eps, scale,
         )  # fmt: skip
     return out
+
+
+# GGUF block types (gguf.GGMLQuantizationType codes) our GGUF GEMM computes as shipped, with the weights per block.
+GGUF_CPU_TYPES: dict[int, int] = {8: 32, 2: 32, 3: 32, 6: 32, 7: 32, 12: 256, 13: 256, 14: 256}
+
+
+def gguf_supports(qtype: int, dtype: torch.dtype, in_features: int) -> bool:
+    """Whether our GGUF GEMM computes `qtype` blocks with `dtype` activations and this width here."""
+    block = GGUF_CPU_TYPES.get(int(qtype))
+    return block is not None and in_features % block == 0 and gemm_supports(dtype, in_features)
+
+
+def gguf_pack(raw: torch.Tensor, qtype: int, out_features: int, in_features: int) -> torch.Tensor:
+    """The file's rows, uint8 [N, row bytes], repacked once into the GEMM's panels (uint8, the same bytes a block)."""
+    return (_module or load()).gguf_pack(raw.contiguous(), int(qtype), out_features, in_features)
+
+
+def gguf_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    qtype: int,
+    out_features: int,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] (rows contiguous) @ W^T + bias, W a `gguf_pack`ed weight, into `out` (may be a column slice of a
+    wider output) or a new [M, out_features] tensor, in x's dtype."""
+    if out is None:
+        out = torch.empty((x.shape[0], out_features), dtype=x.dtype)
+    with record("gguf_linear"):
+        (_module or load()).gguf_linear(out, x, packed, int(qtype), out_features, x.shape[1], bias, MIN_MACS_PER_THREAD)
+    return out
+
+
+def gguf_embedding(
+    ids: torch.Tensor, packed: torch.Tensor, qtype: int, num_rows: int, width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Rows `ids` (int64 [T]) of a `gguf_pack`ed [num_rows, width] weight, dequantized -> [T, width] in `dtype`."""
+    out = torch.empty((ids.shape[0], width), dtype=dtype)
+    with record("gguf_embedding"):
+        (_module or load()).gguf_embedding_rows(out, ids.contiguous(), packed, int(qtype), num_rows, width)
+    return out

@@ -12,6 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
   m.def("paged_attention", torch::wrap_pybind_function(paged_attention), "paged_attention");
   m.def("linear", torch::wrap_pybind_function(linear), "linear");
+  m.def("gguf_pack", torch::wrap_pybind_function(gguf_pack), "gguf_pack");
+  m.def("gguf_linear", torch::wrap_pybind_function(gguf_linear), "gguf_linear");
+  m.def("gguf_embedding_rows", torch::wrap_pybind_function(gguf_embedding_rows), "gguf_embedding_rows");
   m.def("argmax_rows", torch::wrap_pybind_function(argmax_rows), "argmax_rows");
   m.def("gumbel_noise", torch::wrap_pybind_function(gumbel_noise), "gumbel_noise");
   m.def("gumbel_argmax", torch::wrap_pybind_function(gumbel_argmax), "gumbel_argmax");

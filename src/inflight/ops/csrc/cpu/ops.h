@@ -25,6 +25,10 @@ void gumbel_noise(at::Tensor out, at::Tensor keys, at::Tensor hashed);
 bool gumbel_vector_logs();  // whether the noise's logs are SLEEF's vectors (else a scalar call per lane)
 void gumbel_argmax(at::Tensor out, at::Tensor logits, at::Tensor temperature, at::Tensor keys, at::Tensor hashed,
                    std::optional<at::Tensor> floor);
+at::Tensor gguf_pack(at::Tensor raw, int64_t qtype, int64_t N, int64_t K);
+void gguf_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t qtype, int64_t N, int64_t K,
+                 std::optional<at::Tensor> bias, int64_t min_macs_per_thread);
+void gguf_embedding_rows(at::Tensor out, at::Tensor ids, at::Tensor packed, int64_t qtype, int64_t N, int64_t K);
 bool supports_f32();
 bool supports_bf16();
 bool amx_for(int64_t K);
