@@ -37,7 +37,8 @@ def plain_server(tmp_path_factory, demo_model_dir):
     would: the model to serve and the engine settings the e2e tests use."""
     root = tmp_path_factory.mktemp("plain")
     repository = root / "models"
-    shutil.copytree(default_model_repository() / "llm", repository / "llm", ignore=shutil.ignore_patterns("__pycache__"))
+    source = default_model_repository() / "llm"
+    shutil.copytree(source, repository / "llm", ignore=shutil.ignore_patterns("__pycache__"))
     config = repository / "llm" / "config.pbtxt"
     config.write_text(set_parameters(config.read_text(), dict(ENGINE_ARGS, model=demo_model_dir)))
 
@@ -65,10 +66,8 @@ def plain_server(tmp_path_factory, demo_model_dir):
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # the backend stub shares the server's session
         proc.wait()
