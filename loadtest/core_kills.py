@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import statistics
 import threading
@@ -30,6 +29,11 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import psutil
+
+from inflight.serving.prometheus_text import sample as metric
+from inflight.serving.prometheus_text import scrape
 
 # Small enough for 2 CPU cores. Clients stay below max_num_seqs so that the served-again probe is scheduled
 # at once instead of queueing behind the load.
@@ -156,24 +160,6 @@ class Load:
 
 # ---- the server's side -----------------------------------------------------------------------------------
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-
-
-def scrape(metrics_url: str) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text -> {(name, frozenset of label pairs): value}."""
-    text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            samples[(m.group(1), frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")))] = float(m.group(3))
-    return samples
-
-
-def metric(samples: dict, name: str, **labels: str) -> float | None:
-    found = [v for (n, ls), v in samples.items() if n == name and set(labels.items()) <= ls]
-    return found[0] if len(found) == 1 else None
-
 
 def core_pid(server) -> int | None:
     try:
@@ -191,28 +177,17 @@ def model_ready(server) -> bool:
         return False
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def core_processes(run_dir: str) -> dict[int, str]:
-    """Engine core processes of this launch: {pid: state}. The core is a multiprocessing spawn child of the
-    stub, which runs in tritonserver's run directory; a core orphaned outside the server's process tree
+    """Engine core processes of this launch: {pid: psutil status}. The core is a multiprocessing spawn child of
+    the stub, which runs in tritonserver's run directory; a core orphaned outside the server's process tree
     keeps that working directory."""
     found = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            cwd = os.readlink(f"/proc/{entry}/cwd")
-        except OSError:
+            if proc.cwd().startswith(run_dir) and "spawn_main" in " ".join(proc.cmdline()):
+                found[proc.pid] = proc.status()
+        except psutil.Error:  # gone meanwhile, a zombie, or not ours to read
             continue
-        if cwd.startswith(run_dir) and "spawn_main" in _read(f"/proc/{entry}/cmdline"):
-            stat = _read(f"/proc/{entry}/stat")
-            found[int(entry)] = stat.rsplit(")", 1)[-1].split()[0] if stat else "?"
     return found
 
 
@@ -222,13 +197,11 @@ def stub_resources(server) -> dict[str, int]:
     pids = [pid for pid, alive in server.stub_pids().items() if alive]
     if len(pids) != 1:
         return {}
-    status = _read(f"/proc/{pids[0]}/status")
-    threads = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("Threads:")), 0)
     try:
-        fds = len(os.listdir(f"/proc/{pids[0]}/fd"))
-    except OSError:
-        fds = 0
-    return {"fds": fds, "threads": threads}
+        stub = psutil.Process(pids[0])
+        return {"fds": stub.num_fds(), "threads": stub.num_threads()}
+    except psutil.Error:
+        return {}
 
 
 def is_core(pid: int, run_dir: str) -> bool:
@@ -432,7 +405,7 @@ def failures(result: dict[str, Any], kills: int) -> list[str]:
     if f.get("core_starts") != f.get("core_starts_expected"):
         found.append(f"{f.get('core_starts')} core starts, expected {f.get('core_starts_expected')}")
     cores = f.get("core_processes", {})
-    live = [int(pid) for pid, state in cores.items() if state not in ("Z", "X")]
+    live = [int(pid) for pid, state in cores.items() if state not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)]
     if live != [f.get("core_pid")] or len(cores) != 1:
         found.append(f"core processes left {cores} (the metrics name {f.get('core_pid')})")
     before, after = f.get("stub_before", {}), f.get("stub_after", {})

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from inflight.config import EngineConfig
 
 ENGINE_ARGS = {"max_num_seqs": 16, "max_model_len": 2048, "num_kv_blocks": 512}
@@ -41,42 +43,29 @@ MEMORY_SLACK = 0.10
 
 
 def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (from /proc's parent links)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
+    """`pid` and every process below it."""
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.Error:
+        return [pid]
 
 
 def cmdline(pid: int) -> str:
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
+        return " ".join(psutil.Process(pid).cmdline())
+    except psutil.Error:
         return ""
 
 
 def rss_mb(pids: list[int]) -> float:
-    total = 0.0
+    total = 0
     for pid in pids:
         try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
             continue
-        for line in status.splitlines():
-            if line.startswith("VmRSS:"):
-                total += int(line.split()[1]) / 1024
-    return total
+    return total / 2**20
 
 
 def find(root: int, needle: str) -> int | None:

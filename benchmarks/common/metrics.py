@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import psutil
 
 PERCENTILES = (50, 90, 99)
 
@@ -129,38 +130,24 @@ def _mean_ms(values: list[float]) -> float | None:
     return 1000 * float(np.mean(values)) if values else None
 
 
-def busy_cpu_s() -> float | None:
+def busy_cpu_s() -> float:
     """CPU seconds the whole machine has been busy since boot (every core, every process)."""
-    busy = _busy_jiffies()
-    return None if busy is None else busy / os.sysconf("SC_CLK_TCK")
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
 
 
 def session_cpu_s(sid: int) -> dict[int, float]:
     """CPU seconds (user + system) of each live process of session `sid`, by pid: the processes a
     subprocess started with `start_new_session` runs, orphans included."""
-    tick = os.sysconf("SC_CLK_TCK")
     out = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for proc in psutil.process_iter():
         try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                data = f.read()
-        except OSError:  # gone meanwhile
+            if os.getsid(proc.pid) == sid:
+                times = proc.cpu_times()
+                out[proc.pid] = times.user + times.system
+        except (OSError, psutil.Error):  # gone meanwhile
             continue
-        fields = data[data.rfind(")") + 2 :].split()  # after "pid (comm)": field 3 (state) onwards
-        if int(fields[3]) == sid:
-            out[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
     return out
-
-
-def _busy_jiffies() -> int | None:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    return sum(fields) - fields[3] - fields[4]  # everything but idle and iowait
 
 
 @contextmanager
@@ -168,13 +155,12 @@ def cpu_contention() -> Iterator[dict[str, float | None]]:
     """Measures how much CPU other processes took while the block ran: on a shared machine a run that
     competed for its cores is slower for reasons that are not its own, and the report says so."""
     box: dict[str, float | None] = {"share": None}
-    busy0, own0, t0 = _busy_jiffies(), os.times(), time.monotonic()
+    busy0, own0, t0 = busy_cpu_s(), os.times(), time.monotonic()
     try:
         yield box
     finally:
-        busy1, own1, wall = _busy_jiffies(), os.times(), time.monotonic() - t0
-        if busy0 is not None and busy1 is not None and wall > 0:
-            tick = os.sysconf("SC_CLK_TCK")
+        busy1, own1, wall = busy_cpu_s(), os.times(), time.monotonic() - t0
+        if wall > 0:
             own = (own1.user + own1.system) - (own0.user + own0.system)
-            other = (busy1 - busy0) / tick - own
+            other = (busy1 - busy0) - own
             box["share"] = max(0.0, other / (wall * (os.cpu_count() or 1)))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import threading
 import time
 import urllib.error
@@ -17,6 +16,8 @@ import urllib.request
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from inflight.serving.prometheus_text import matching, scrape
 
 _TEXT = "river mountain city light queue model engine block cache token router replica prefix stream batch kernel"
 _WORDS = (_TEXT + " vector memory paged attention layer north south east west green blue red amber silver").split()
@@ -121,10 +122,7 @@ def summary(results: list[Result]) -> dict[str, float]:
 
 def prefix_cache_counters(metrics_url: str) -> tuple[float, float]:
     """(hits, queries) in tokens: `vllm:prefix_cache_hits_total` / `vllm:prefix_cache_queries_total`."""
-    with urllib.request.urlopen(metrics_url, timeout=5) as resp:
-        text = resp.read().decode()
-
-    def value(name: str) -> float:
-        return sum(float(m) for m in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
-
-    return value("vllm:prefix_cache_hits_total"), value("vllm:prefix_cache_queries_total")
+    samples = scrape(metrics_url)
+    return sum(matching(samples, "vllm:prefix_cache_hits_total")), sum(
+        matching(samples, "vllm:prefix_cache_queries_total")
+    )

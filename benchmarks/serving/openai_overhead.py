@@ -31,6 +31,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 REPO = Path(__file__).resolve().parents[2]
 SERVER_ARGS = {"max_num_seqs": 16, "max_num_batched_tokens": 1024, "num_kv_blocks": 16 * 48, "max_model_len": 768}
 _WORDS = "the model runs fast while a city of light sings under the mountain and the river keeps the queue".split()  # noqa: SIM905
@@ -188,8 +190,8 @@ def engine_view(step_log: Path, window: tuple[float, float]) -> dict[str, float]
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 async def run_pairs(clients: Clients, texts: list[str], params: dict) -> list[tuple[float, float]]:

@@ -13,7 +13,8 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def parse_samples(text: str) -> Samples:
-    """Prometheus text exposition -> Samples (counters keep their `_total` name)."""
+    """Prometheus text exposition -> Samples. A counter's samples end in `_total`, as OpenMetrics names them:
+    prometheus_client adds it where the text left it out (Triton's `nv_*` counters)."""
     return {
         (s.name, frozenset(s.labels.items())): s.value
         for family in text_string_to_metric_families(text)
