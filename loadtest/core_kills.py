@@ -24,8 +24,6 @@ import signal
 import statistics
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,14 +167,6 @@ def core_pid(server) -> int | None:
     return int(pid) if pid else None
 
 
-def model_ready(server) -> bool:
-    try:
-        with urllib.request.urlopen(f"{server.http_url}/v2/models/llm/ready", timeout=2) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError):
-        return False
-
-
 def core_processes(run_dir: str) -> dict[int, str]:
     """Engine core processes of this launch: {pid: psutil status}. The core is a multiprocessing spawn child of
     the stub, which runs in tritonserver's run directory; a core orphaned outside the server's process tree
@@ -237,7 +227,7 @@ def kill_once(server, load: Load, client, run_dir: str, args: argparse.Namespace
             new = core_pid(server)
             if new is not None and new != pid:
                 core_back = time.monotonic() - killed
-        never_unready &= model_ready(server)
+        never_unready &= server.model_ready()
         if served_again is None and served(client):
             served_again = time.monotonic() - killed
         waiting = any(r.ended is None for r in in_flight) and now - killed < args.hung_after_s

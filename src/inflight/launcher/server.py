@@ -214,6 +214,10 @@ class TritonServer:
                     raise LauncherError(f"'{model}' not ready after {timeout_s:.0f}s{self._tail()}")
                 time.sleep(0.25)
 
+    def model_ready(self, model: str = MODEL_NAME) -> bool:
+        """Whether `/v2/models/{model}/ready` says yes now."""
+        return self._answers(f"{self.http_url}/v2/models/{model}/ready")
+
     @staticmethod
     def _answers(url: str) -> bool:
         try:
