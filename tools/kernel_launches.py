@@ -29,6 +29,7 @@ KERNELS = {
     "inflight.ops.triton.kv_write": ["_kv_write_kernel"],
     "inflight.ops.triton.rms_norm": ["_rms_norm_kernel"],
     "inflight.ops.triton.rope": ["_rope_kernel"],
+    "inflight.ops.triton.gguf_gemm": ["_gguf_gemv_kernel", "_gguf_gemm_kernel", "_gguf_embedding_kernel"],
 }
 # Triton's launch defaults (CUDAOptions) when a launch does not name them.
 DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3
@@ -250,6 +251,27 @@ def capture_engine_launches(model_dir: str | Path, dtype: str) -> LaunchLog:
     return log
 
 
+def capture_gguf_launches(dtype: str) -> LaunchLog:
+    """Every GGUF block format through the GEMV (decode rows), the GEMM (prefill rows) and the embedding
+    gather. The kernels do not specialize on shapes, so one small layer per format gives every binary;
+    the blocks are random bytes under 64, which keeps every fp16 scale finite (the results are not looked at)."""
+    import torch
+
+    from inflight.ops.triton import gguf_gemm
+
+    gen = torch.Generator().manual_seed(0)
+    out_features, in_features = 48, 512
+    with record_launches() as log:
+        for qtype, (per_block, block_bytes, _) in gguf_gemm.BLOCK_LAYOUT.items():
+            shape = (out_features, in_features // per_block * block_bytes)
+            raw = torch.randint(0, 64, shape, generator=gen, dtype=torch.uint8)
+            for rows in (1, gguf_gemm.GEMV_MAX_ROWS + 1):
+                x = torch.randn(rows, in_features, generator=gen).to(getattr(torch, dtype))
+                gguf_gemm.gguf_matmul(x, raw, qtype, out_features)
+            gguf_gemm.gguf_embedding(torch.tensor([3, 0, 3]), raw, qtype, in_features, getattr(torch, dtype))
+    return log
+
+
 def with_merge_widths(specs: list[Launch]) -> list[Launch]:
     """Adds the merge kernel for every split count the engine can pick (SPLITS_PAD = next power of
     two of 2..MAX_SPLITS): which one a step takes depends on batch size and context length."""
@@ -290,6 +312,9 @@ def as_dtype(spec: Launch, src: str, dst: str) -> Launch:
     return Launch(spec.kernel, params, spec.num_warps, spec.num_stages, spec.grid, tags)
 
 
+# The GGUF kernels' runs (tagged "gguf/<dtype>"), bfloat16 derived from float16 as for the engine runs.
+GGUF_CAPTURE_DTYPES = ["float32", "float16"]
+
 # (checkpoint, dtype) runs: the demo model in float32 (its checkpoint dtype, what `make serve` runs on
 # a GPU) and float16; the real geometries in float16. bfloat16 is derived from float16 (the
 # interpreter computes garbage in bf16, and the launches do not depend on it).
@@ -297,18 +322,21 @@ CAPTURE_RUNS = [("demo", "float32"), ("demo", "float16"), ("llama3_8b", "float16
 
 
 def capture_all(work_dir: str | Path, demo_dir: str | Path | None = None) -> tuple[list[Launch], dict[str, LaunchLog]]:
-    """Every specialization of CAPTURE_RUNS plus their bf16 twins, tagged "<model>/<dtype>", and
-    each run's launch log."""
+    """Every specialization of CAPTURE_RUNS and GGUF_CAPTURE_DTYPES plus their bf16 twins, tagged
+    "<model>/<dtype>", and each run's launch log."""
     from inflight.demo_model import ensure_demo_model
 
     work = Path(work_dir)
     demo = Path(demo_dir) if demo_dir else ensure_demo_model(work / "demo")
     specs: dict[str, Launch] = {}
     logs: dict[str, LaunchLog] = {}
-    for model, dtype in CAPTURE_RUNS:
+    for model, dtype in CAPTURE_RUNS + [("gguf", d) for d in GGUF_CAPTURE_DTYPES]:
         short = {"float32": "fp32", "float16": "fp16"}[dtype]
-        model_dir = geometry_checkpoint(model, demo, work / f"1layer-{model}")
-        log = logs[f"{model}/{short}"] = capture_engine_launches(model_dir, dtype)
+        if model == "gguf":
+            log = logs[f"{model}/{short}"] = capture_gguf_launches(dtype)
+        else:
+            model_dir = geometry_checkpoint(model, demo, work / f"1layer-{model}")
+            log = logs[f"{model}/{short}"] = capture_engine_launches(model_dir, dtype)
         runs = [unique_specs(with_merge_widths(log.launches), f"{model}/{short}")]
         if short == "fp16":
             runs.append([as_dtype(s, "fp16", "bf16") for s in runs[0]])
@@ -339,7 +367,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as work:
             specs, logs = capture_all(work)
         dump(specs, args.capture_all / "specs.json")
-        rows = {run: log.attention_rows for run, log in logs.items()}
+        rows = {run: log.attention_rows for run, log in logs.items() if log.attention_rows}
         (args.capture_all / "attention_rows.json").write_text(json.dumps(rows))
         print(f"{len(specs)} specializations from {len(logs)} runs -> {args.capture_all}")
         return

@@ -20,6 +20,7 @@ from inflight.ops.triton.paged_attention import DECODE_BLOCK_M, PREFILL_BLOCK_M
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_unified_attention_kernel", "_merge_kernel", "_kv_write_kernel", "_rms_norm_kernel", "_rope_kernel"}
+GGUF_KERNELS = {"_gguf_gemv_kernel", "_gguf_gemm_kernel", "_gguf_embedding_kernel"}
 GEOMETRIES = ("llama3_8b", "qwen2_hd80")  # tools.kernel_launches.GEOMETRIES
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # shared memory per block, bytes
 # On a GPU machine the kernel tests run every kernel for real; this check is for machines without one.
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.skipif(
     os.environ.get("TRITON_INTERPRET") != "1", reason="records launches under TRITON_INTERPRET=1 (no GPU here)"
 )
 RUNS = {"demo/fp32", "demo/fp16", "demo/bf16"} | {f"{g}/{d}" for g in GEOMETRIES for d in ("fp16", "bf16")}
+GGUF_RUNS = {"gguf/fp32", "gguf/fp16", "gguf/bf16"}  # tools.kernel_launches.capture_gguf_launches
 
 
 def run_tool(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
@@ -73,8 +75,8 @@ def test_every_jit_kernel_is_recorded(captured):
 
 def test_capture_sees_every_kernel_path(captured):
     specs = captured[1]
-    assert {s["kernel"].split(":")[1] for s in specs} == KERNELS
-    assert {t for s in specs for t in s["tags"]} == RUNS
+    assert {s["kernel"].split(":")[1] for s in specs} == KERNELS | GGUF_KERNELS
+    assert {t for s in specs for t in s["tags"]} == RUNS | GGUF_RUNS
     for run in RUNS:
         attention = [
             constexprs(s) for s in specs if run in s["tags"] and s["kernel"].endswith("_unified_attention_kernel")
@@ -83,6 +85,19 @@ def test_capture_sees_every_kernel_path(captured):
         # (no specialization on a value that changes from step to step, e.g. the block-table width)
         kinds = sorted((c["BLOCK_Q"] * c["GROUP_PAD"], c["SPLIT"]) for c in attention)
         assert kinds == [(DECODE_BLOCK_M, False), (DECODE_BLOCK_M, True), (PREFILL_BLOCK_M, False)], (run, attention)
+
+
+def test_every_gguf_format_is_captured_in_every_dtype(captured):
+    """Each block format's GEMV, GEMM and embedding binary, for fp32, fp16 and bf16 activations."""
+    from inflight.ops.triton.gguf_gemm import SUPPORTED_QTYPES
+
+    seen = {
+        (s["kernel"].split(":")[1], constexprs(s)["QTYPE"], tag)
+        for s in captured[1]
+        if s["kernel"].split(":")[1] in GGUF_KERNELS
+        for tag in s["tags"]
+    }
+    assert seen == {(k, q, run) for k in GGUF_KERNELS for q in SUPPORTED_QTYPES for run in GGUF_RUNS}
 
 
 def test_every_launched_specialization_compiles_for_sm80_and_sm90(captured, tmp_path):

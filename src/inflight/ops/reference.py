@@ -110,3 +110,26 @@ def merge_splits(partial_out: torch.Tensor, partial_lse: torch.Tensor) -> torch.
     weight = torch.softmax(partial_lse * torch.log(torch.tensor(2.0)), dim=0)  # base-2 lse -> natural
     weight = torch.nan_to_num(weight)
     return (partial_out * weight[..., None]).sum(0)
+
+
+def gguf_weight(raw: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """GGUF rows uint8 [N, row_bytes] -> fp32 [N, in_features], by `gguf.quants.dequantize`."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    weight = dequantize(raw.cpu().numpy(), GGMLQuantizationType(qtype))
+    return torch.from_numpy(weight).reshape(raw.shape[0], in_features).to(raw.device)
+
+
+def gguf_matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int, out_features: int) -> torch.Tensor:
+    """x @ W^T for GGUF rows `raw`: W dequantized to fp32, the product in fp32, rounded once to x's dtype."""
+    weight = gguf_weight(raw, qtype, x.shape[1])
+    assert weight.shape[0] == out_features
+    return (x.float() @ weight.T).to(x.dtype)
+
+
+def gguf_embedding(
+    ids: torch.Tensor, raw: torch.Tensor, qtype: int, embedding_dim: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The rows `ids` of a GGUF table, dequantized in fp32 and rounded to dtype."""
+    return gguf_weight(raw[ids.reshape(-1).long()], qtype, embedding_dim).to(dtype)
