@@ -144,3 +144,39 @@ def test_shapes_that_do_not_fit_are_refused():
         cpu.gguf_pack(random_blocks(Q.Q4_K, 10, 256), int(Q.Q4_K), 10, 100)
     with pytest.raises(RuntimeError, match="no GGUF kernel"):
         cpu.gguf_pack(raw, int(Q.Q2_K), 10, 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_linear_fuses_parts_of_different_types(dtype):
+    from inflight.models.quantized import GGUFWeight, QuantizedLinear
+
+    k = 256
+    skip_unless(Q.Q6_K, dtype, k)
+    shapes = [(Q.Q4_K, 64), (Q.Q4_K, 40), (Q.Q6_K, 40)]  # q, k (one segment), v
+    parts = [GGUFWeight(int(q), random_blocks(q, n, k, seed=i), (n, k)) for i, (q, n) in enumerate(shapes)]
+    bias = torch.randn(144, generator=torch.Generator().manual_seed(4))
+    layer = QuantizedLinear.from_gguf(parts, dtype, torch.device("cpu"), bias=bias)
+    assert [s.qtype for s in layer.segments] == [int(Q.Q4_K), int(Q.Q6_K)]
+    w = torch.cat([reference.gguf_weight(p.data, p.qtype, k) for p in parts])
+    x = torch.randn(2, 5, k, generator=torch.Generator().manual_seed(6)).to(dtype)
+    # the dequantized model's layer: one GEMM over the concatenated weight, the bias in x's dtype
+    want = ours_dequantized(x.reshape(10, k), w, bias.to(dtype)).view(2, 5, 144)
+    assert torch.equal(layer(x), want)
+    assert layer.weight_bytes() == sum(s.data.numel() for s in layer.segments) + 144 * bias.to(dtype).element_size()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantized_embedding_and_its_tied_head_share_one_copy(dtype):
+    from inflight.models.quantized import GGUFWeight, QuantizedEmbedding
+
+    vocab, k = 200, 64
+    skip_unless(Q.Q8_0, dtype, k)
+    raw = random_blocks(Q.Q8_0, vocab, k, seed=9)
+    emb = QuantizedEmbedding.from_gguf(GGUFWeight(int(Q.Q8_0), raw, (vocab, k)), dtype, torch.device("cpu"))
+    head = emb.lm_head()
+    assert head.segments[0].data is emb.segment.data and head.weight_bytes() == 0
+    w = reference.gguf_weight(raw, int(Q.Q8_0), k)
+    ids = torch.tensor([[3, 199], [0, 3]])
+    assert torch.equal(emb(ids), w[ids].to(dtype))
+    h = torch.randn(3, k, generator=torch.Generator().manual_seed(8)).to(dtype)
+    assert torch.equal(head(h), ours_dequantized(h, w, None))
