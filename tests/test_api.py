@@ -107,7 +107,7 @@ def test_stop_string_spanning_tokens_is_cut_and_never_streamed(llm):
     text = greedy.text
     stop = text[len(text) // 3 : len(text) // 3 + 5]  # five characters, likely across a token boundary
     assert stop.strip(), text
-    engine = llm.engine
+    engine = llm  # the engine with the output processor: text per step
     engine.add_request("stop-test", PROMPTS[1], SamplingParams(temperature=0, max_tokens=12, stop=[stop]))
     deltas, final = [], None
     while engine.has_unfinished_requests():
@@ -205,7 +205,7 @@ def test_abort_frees_blocks_at_once(llm):
 
 
 def test_utf8_streaming_never_emits_broken_characters(llm):
-    engine = llm.engine
+    engine = llm  # the engine with the output processor: text per step
     for seed in range(8):
         engine.add_request(f"u{seed}", "日本語 🙂 café", SamplingParams(temperature=2.0, seed=seed, max_tokens=24))
     deltas: dict[str, list[str]] = {}

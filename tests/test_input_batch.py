@@ -9,12 +9,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers.scheduler import make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from inflight.config import EngineConfig
 from inflight.engine.kv_cache import BlockManager
-from inflight.engine.scheduler import Scheduler
 from inflight.engine.sequence import FinishReason, Sequence
 from inflight.executor.input_batch import InputBatch
 from inflight.executor.sampler import Sampler, SamplingMetadata
@@ -294,7 +294,7 @@ def test_randomized_schedules_give_the_reference_inputs(
         enable_prefix_caching=caching,
         device="cpu",
     )
-    sched = Scheduler(cfg, BlockManager(num_blocks, block_size, caching), MAX_LEN)
+    sched = make_scheduler(cfg, BlockManager(num_blocks, block_size, caching), MAX_LEN)
     batch = InputBatch(max_num_seqs, MAX_LEN, budget, block_size, torch.device("cpu"))
     if reservation == "max_length" and num_blocks * block_size < MAX_LEN:
         return  # the engine refuses this configuration

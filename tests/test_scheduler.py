@@ -4,6 +4,7 @@ import itertools
 
 import numpy as np
 import pytest
+from helpers.scheduler import make_scheduler
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -118,7 +119,7 @@ def test_every_request_finishes_within_budgets(
         kv_reservation=reservation,
     )
     bm = BlockManager(num_blocks, block_size, caching)
-    sched = Scheduler(cfg, bm, max_model_len)
+    sched = make_scheduler(cfg, bm, max_model_len)
     reservation_blocks = bm.blocks_for(max_model_len)
     # The engine rejects up front what can never fit; mirror that so every request here is admissible.
     fits = [
@@ -166,7 +167,7 @@ def engine_cfg(**kw) -> EngineConfig:
 
 def test_chunked_prefill_and_decode_share_a_step():
     cfg = engine_cfg(max_num_batched_tokens=10)
-    sched = Scheduler(cfg, BlockManager(64, 8), 200)
+    sched = make_scheduler(cfg, BlockManager(64, 8), 200)
     a, b = make_seq(3, 5), make_seq(25, 5)
     sched.add(a)
     simulate_step(sched, sched.schedule())  # a prefilled, sampled its first token
@@ -181,7 +182,7 @@ def test_chunked_prefill_and_decode_share_a_step():
 def test_priority_orders_admission_and_picks_preemption_victims():
     cfg = engine_cfg(max_num_seqs=2, num_kv_blocks=4)
     bm = BlockManager(4, 8)
-    sched = Scheduler(cfg, bm, 200)
+    sched = make_scheduler(cfg, bm, 200)
     low, high, mid = make_seq(8, 20, priority=5), make_seq(8, 20, priority=0), make_seq(8, 20, priority=1)
     for s in (low, high, mid):
         sched.add(s)
@@ -204,7 +205,7 @@ def test_priority_orders_admission_and_picks_preemption_victims():
 
 def test_newest_is_preempted_first_among_equals():
     cfg = engine_cfg(max_num_seqs=3, num_kv_blocks=3)
-    sched = Scheduler(cfg, BlockManager(3, 8), 200)
+    sched = make_scheduler(cfg, BlockManager(3, 8), 200)
     seqs = [make_seq(8, 30) for _ in range(3)]
     for s in seqs:
         sched.add(s)
@@ -217,7 +218,7 @@ def test_newest_is_preempted_first_among_equals():
 def test_finish_frees_blocks_at_once_even_while_waiting():
     cfg = engine_cfg(max_num_batched_tokens=4)
     bm = BlockManager(64, 8)
-    sched = Scheduler(cfg, bm, 200)
+    sched = make_scheduler(cfg, bm, 200)
     a = make_seq(20, 5)
     sched.add(a)
     sched.schedule()
@@ -243,7 +244,7 @@ def test_block_manager_all_or_nothing():
 @pytest.mark.parametrize("policy", ["continuous", "static"])
 def test_static_waits_for_stragglers_continuous_does_not(policy):
     cfg = engine_cfg(max_num_seqs=2, scheduling_policy=policy)
-    sched = Scheduler(cfg, BlockManager(64, 8), 200)
+    sched = make_scheduler(cfg, BlockManager(64, 8), 200)
     short, long_, nxt = make_seq(4, 2), make_seq(4, 10), make_seq(4, 2)
     for s in (short, long_, nxt):
         sched.add(s)

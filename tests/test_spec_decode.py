@@ -506,12 +506,13 @@ def test_engine_snapshot_carries_the_counters(demo_model_dir):
     import msgspec
 
     from inflight.engine import wire
+    from inflight.engine.stats import IterationStats
 
     snap = dataclasses.replace(snap, spec_decode_num_drafts=3, spec_decode_num_accepted_tokens_per_pos=(2, 1, 0, 0))
-    raw = msgspec.msgpack.Encoder().encode(wire.StepOutputs([], snap))
+    raw = msgspec.msgpack.Encoder().encode(wire.StepOutputs([], None, IterationStats.between(None, snap)))
     back = msgspec.msgpack.Decoder(wire.FromCore).decode(raw)
-    assert back.snapshot.spec_decode_num_drafts == 3
-    assert back.snapshot.spec_decode_num_accepted_tokens_per_pos == (2, 1, 0, 0)
+    assert back.iteration_stats.spec_decode_num_drafts == 3
+    assert back.iteration_stats.spec_decode_num_accepted_tokens_per_pos == (2, 1, 0, 0)
 
 
 def test_triton_metrics_export_the_counters(demo_model_dir):
@@ -555,8 +556,10 @@ def test_triton_metrics_export_the_counters(demo_model_dir):
         spec_decode_num_accepted_tokens=4,
         spec_decode_num_accepted_tokens_per_pos=(3, 1, 0, 0),
     )
-    metrics.update(snap)
-    metrics.update(snap)  # counters count once
+    from inflight.engine.stats import IterationStats, SchedulerStats
+
+    metrics.update(SchedulerStats.of(snap), IterationStats.between(None, snap))
+    metrics.update(SchedulerStats.of(snap), IterationStats.between(snap, snap))  # nothing new: nothing counted
     fam = MetricFamily.families
     assert fam["vllm:spec_decode_num_drafts_total"].metrics[0].value == 5
     assert fam["vllm:spec_decode_num_draft_tokens_total"].metrics[0].value == 12
@@ -566,10 +569,10 @@ def test_triton_metrics_export_the_counters(demo_model_dir):
 
 
 def _front_run(model_dir, prompts, params, spec, proposer):
-    """As the served path: an engine that does not detokenize (the core's) and the output processor over its
-    outputs (the front's), which aborts a request a stop string ended. Per prompt: (tokens, text, finish), and
+    """As the served path: the engine's outputs of token ids (the core's) and the output processor over them
+    (the front's), which aborts a request a stop string ended. Per prompt: (tokens, text, finish), and
     how many tokens the processor cut from outputs that carried tokens after a stop string."""
-    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", num_kv_blocks=256, speculative_config=spec), False)
+    engine = LLMEngine(model_dir, EngineConfig(dtype="float32", num_kv_blocks=256, speculative_config=spec))
     engine.spec_decoder.proposer = proposer
     states = {}
     for i, prompt in enumerate(prompts):
@@ -593,8 +596,8 @@ def _front_run(model_dir, prompts, params, spec, proposer):
 
 
 def test_stop_strings_cut_inside_an_accepted_run_in_the_engine_and_in_the_front(demo_model_dir):
-    # Drafts accepted past the token that completes a stop string: the in-process engine stops at that token,
-    # and the front's output processor cuts the core's output (text and token ids) at the same one.
+    # Drafts accepted past the token that completes a stop string: the output processor cuts the output (text and
+    # token ids) at that token, in the offline LLM and in the front.
     base = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     llm = LLM(demo_model_dir, dtype="float32", num_kv_blocks=256)
     ref = llm.generate(PROMPTS, base, use_tqdm=False)

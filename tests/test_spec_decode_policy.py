@@ -30,7 +30,6 @@ class _FakeSeq:
         self.output_token_ids = [3]
         self.num_tokens = 9
         self.num_computed_tokens = 0 if prefilling else 8
-        self.structured = None
         self.spec_token_ids = None
         self.sampling_params = SamplingParams(max_tokens=100, temperature=0.0)
 

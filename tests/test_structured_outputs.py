@@ -15,7 +15,8 @@ import torch
 
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
-from inflight.engine.structured_output import StructuredRequest
+from inflight.engine.structured_output.compile_pool import CompileJob, GrammarCompile
+from inflight.llm import LLM
 from inflight.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -70,6 +71,7 @@ def _engine(demo_model_dir, **kw) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[str, SamplingParams]]) -> dict[str, dict]:
+    engine = LLM.from_engine(engine)  # with the output processor: text
     for rid, (prompt, params) in requests.items():
         engine.add_request(rid, prompt, params)
     results = {rid: {"tokens": [], "text": "", "finish_reason": None, "error": None} for rid in requests}
@@ -228,13 +230,20 @@ def test_uncompilable_constraint_fails_only_its_request(demo_model_dir):
     assert not engine.has_unfinished_requests() and engine.block_manager.num_used_blocks == 0
 
 
+def _replace_compile(engine: LLMEngine, request_id: str, compile_: GrammarCompile) -> None:
+    """The request waits for `compile_` instead of its own (which may have finished already)."""
+    manager = engine.structured_outputs
+    manager._requests[request_id].compile = compile_
+    manager._pending[request_id] = manager._requests[request_id]
+
+
 def test_waiting_grammar_does_not_hold_up_the_queue_and_abort_drops_it(demo_model_dir):
     engine = _engine(demo_model_dir)
     engine.add_request("slow", "Hello", SamplingParams(max_tokens=4, guided_regex="a+"))
     slow = engine._seqs["slow"]
-    never = cf.Future()  # a compile that has not finished
-    slow.structured = StructuredRequest(StructuredOutputsParams(regex="a+"), never)
-    engine.structured_outputs._pending = [slow]
+    never = GrammarCompile(StructuredOutputsParams(regex="a+"), CompileJob())  # a compile that never finishes
+    never.job.future = cf.Future()
+    _replace_compile(engine, "slow", never)
     engine.add_request("fast", "Hello", SamplingParams(temperature=0, max_tokens=3))
     outs = []
     for _ in range(5):
@@ -244,7 +253,7 @@ def test_waiting_grammar_does_not_hold_up_the_queue_and_abort_drops_it(demo_mode
     engine.abort_request("slow")
     outs = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outs] == [("slow", "abort")]
-    assert slow.structured is None and not engine.has_unfinished_requests()
+    assert "slow" not in engine.structured_outputs and not engine.has_unfinished_requests()
 
 
 def test_compile_cache_is_keyed_by_the_constraint(demo_model_dir):
@@ -290,16 +299,14 @@ def test_older_guided_keys_and_string_values():
 
 
 def test_grammar_that_never_compiles_fails_after_the_timeout(demo_model_dir, monkeypatch):
-    from inflight.engine import structured_output
+    from inflight.engine.structured_output import compile_pool as structured_output
 
     engine = _engine(demo_model_dir)
     engine.add_request("stuck", "Hello", SamplingParams(max_tokens=4, guided_regex="a+"))
-    stuck = engine._seqs["stuck"]
-    future = cf.Future()
-    future.started = [time.monotonic()]  # a compile that began and never ends
-    request = stuck.structured = StructuredRequest(StructuredOutputsParams(regex="a+"), future)
-    engine.structured_outputs._pending = [stuck]
-    engine.structured_outputs._cache[stuck.structured.params.key] = future
+    request = GrammarCompile(StructuredOutputsParams(regex="a+"), CompileJob(started=time.monotonic()))
+    future = request.job.future = cf.Future()  # a compile that began and never ends
+    _replace_compile(engine, "stuck", request)
+    engine.structured_outputs.pool._cache[request.params.key] = request.job
     assert engine.step() == []  # still compiling: waits
     monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.0)
     (out,) = engine.step()
@@ -307,18 +314,18 @@ def test_grammar_that_never_compiles_fails_after_the_timeout(demo_model_dir, mon
     assert not engine.has_unfinished_requests()
     # A queued compile is dropped, and the timeout is no verdict on the grammar: the next request recompiles.
     assert future.cancelled() and not request.is_ready
-    assert request.params.key not in engine.structured_outputs._cache
+    assert request.params.key not in engine.structured_outputs.pool._cache
 
 
 def test_compile_timeout_counts_only_the_compile_not_the_queue(demo_model_dir, monkeypatch):
     import threading
 
-    from inflight.engine import structured_output
+    from inflight.engine.structured_output import compile_pool as structured_output
 
     manager = _engine(demo_model_dir).structured_outputs
     manager.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)  # the pool exists now
     gate = threading.Event()
-    pool = manager._lane(StructuredOutputsParams(regex="b+").key)  # small constraints' lane
+    pool = manager.pool._lane(StructuredOutputsParams(regex="b+").key)  # small constraints' lane
     busy = [pool.submit(gate.wait) for _ in range(pool._max_workers)]  # other, slow compiles
     try:
         queued = manager.request(StructuredOutputsParams(regex="b+"))
@@ -341,7 +348,10 @@ def test_engine_close_shuts_the_compile_pool_down(demo_model_dir):
     engine.structured_outputs.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)
     engine.structured_outputs.request(StructuredOutputsParams(regex="a" * 5000)).future.result(timeout=60)
     manager = engine.structured_outputs
-    workers = [*manager._pool._threads, *manager._small_pool._threads]  # this engine's (other tests leave theirs)
+    workers = [
+        *manager.pool._pool._threads,
+        *manager.pool._small_pool._threads,
+    ]  # this engine's (other tests leave theirs)
     assert workers and all(t in threading.enumerate() for t in workers)
     engine.close()
     for t in workers:
@@ -351,16 +361,14 @@ def test_engine_close_shuts_the_compile_pool_down(demo_model_dir):
 
 def test_padding_ids_past_the_tokenizer_are_never_allowed(demo_model_dir):
     """A checkpoint's lm_head may be wider than its tokenizer: those ids have no text and stay masked."""
-    from inflight.engine.sequence import Sequence
     from inflight.engine.structured_output import StructuredOutputManager
 
     engine = _engine(demo_model_dir)
     tok_vocab = engine.tokenizer.get_vocab_size()
-    manager = StructuredOutputManager(engine.tokenizer, tok_vocab + 70, [2])
-    seq = Sequence("r", [1, 5], SamplingParams(structured_outputs={"json_object": True}), seed=0, arrival_time=0.0)
-    manager.add(seq)
-    seq.structured.future.result(timeout=60)
-    bitmask, rows = manager.grammar_bitmask([seq])
+    manager = StructuredOutputManager(engine.tokenizer, tok_vocab + 70, [2], engine.config)
+    manager.add("r", StructuredOutputsParams(json_object=True))
+    manager.request(StructuredOutputsParams(json_object=True)).future.result(timeout=60)
+    bitmask, rows = manager.grammar_bitmask(["r"])
     bits = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: tok_vocab + 70]
     assert rows.tolist() == [0] and bits[:tok_vocab].any() and not bits[tok_vocab:].any()
     special = [i for i, t in engine.tokenizer.get_added_tokens_decoder().items() if t.special]
@@ -398,8 +406,6 @@ def test_json_rows_never_allow_raw_control_characters(demo_model_dir):
     JSON parsers reject: the engine masks them for JSON constraints, and only for those."""
     import xgrammar as xgr
 
-    from inflight.engine.sequence import Sequence
-
     engine = _engine(demo_model_dir)
     manager = engine.structured_outputs
     bounded = {"type": "object", "properties": {"s": {"type": "string", "maxLength": 9}}, "required": ["s"]}
@@ -408,14 +414,14 @@ def test_json_rows_never_allow_raw_control_characters(demo_model_dir):
         ({"json": bounded, "disable_any_whitespace": True}, '{"s": "'),
         ({"regex": "[\x01-z]+"}, ""),
     ]
-    seqs = []
+    ids = []
     for i, (so, prefix) in enumerate(cases):
-        seq = Sequence(f"r{i}", [1, 5], SamplingParams(structured_outputs=so), seed=0, arrival_time=0.0)
-        manager.add(seq)
-        seq.structured.future.result(timeout=60)
-        assert seq.structured.get_matcher().accept_string(prefix) or not prefix  # inside the string
-        seqs.append(seq)
-    bitmask, _rows = manager.grammar_bitmask(seqs)
+        params = StructuredOutputsParams.from_value(so)
+        manager.add(f"r{i}", params)
+        manager.request(params).future.result(timeout=60)
+        assert manager._requests[f"r{i}"].get_matcher().accept_string(prefix) or not prefix  # inside the string
+        ids.append(f"r{i}")
+    bitmask, _rows = manager.grammar_bitmask(ids)
     vocab = manager.vocab_size
 
     def unpack(words: torch.Tensor) -> torch.Tensor:
@@ -423,7 +429,7 @@ def test_json_rows_never_allow_raw_control_characters(demo_model_dir):
 
     bits = unpack(bitmask)
     raw = xgr.allocate_token_bitmask(1, vocab)
-    seqs[0].structured.get_matcher().fill_next_token_bitmask(raw, 0)
+    manager._requests["r0"].get_matcher().fill_next_token_bitmask(raw, 0)
     raw_bits = unpack(raw)[0]
     bell, tab = engine.tokenizer.token_to_id("ć"), engine.tokenizer.token_to_id("ĉ")  # byte-level \x07, \t
     assert raw_bits[bell], "the grammar itself allows a raw BEL inside the bounded string"

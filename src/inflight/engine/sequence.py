@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from inflight.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from inflight.engine.structured_output import StructuredRequest
 
 
 class SequenceStatus(enum.Enum):
@@ -46,8 +42,6 @@ class Sequence:
     num_cached_tokens: int | None = None
     # Filled in by the engine as the request progresses (for metrics / benchmarks).
     cumulative_logprob: float = 0.0
-    # The output constraint's compile and matcher (structured outputs); None when unconstrained.
-    structured: StructuredRequest | None = None
     # Speculative decoding: draft tokens proposed for the next step (set just before scheduling; the
     # scheduler moves them into its output, so they never outlive a step).
     spec_token_ids: list[int] = field(default_factory=list)
@@ -59,11 +53,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def is_ready(self) -> bool:
-        """False while its grammar compiles: the scheduler leaves it waiting and admits others."""
-        return self.structured is None or self.structured.is_ready
 
     @property
     def is_finished(self) -> bool:

@@ -7,7 +7,7 @@ first min_tokens; a stop token's text is not output either; held-back text is fl
 may still complete a stop string). A stop string ends the request at the token whose text completed it:
 tokens, logprobs and counts after it are cut, and the engine is told to abort it (it may have run further).
 A request with `detokenize=False` passes through with no text.
-The front runs it on the engine core process's step messages; an in-process LLMEngine runs it on its own.
+The front runs it on the engine core process's step messages; the offline LLM on its in-process engine's outputs.
 """
 
 from __future__ import annotations

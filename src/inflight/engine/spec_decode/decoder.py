@@ -253,7 +253,7 @@ class SpecDecoder:
         # Structured outputs advance a grammar matcher per token and logprobs report per token: those
         # sequences decode one token a step.
         p = seq.sampling_params
-        return seq.structured is None and p.logprobs is None
+        return p.structured_outputs is None and p.logprobs is None
 
     def propose(self, running: list[Sequence]) -> None:
         """Set `spec_token_ids` of the running sequences that speculate this step (the others get none)."""
