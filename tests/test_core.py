@@ -15,6 +15,7 @@ from inflight.engine.core import CoreSpec
 from inflight.engine.core_client import CoreClient
 from inflight.engine.engine import LLMEngine
 from inflight.engine.stats import EngineSnapshot, StepStats
+from inflight.llm import LLM
 from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import SamplingParams
@@ -82,12 +83,12 @@ def _run(core: CoreClient, until: set[str], timeout_s: float = 60) -> dict[str, 
 
 
 def _in_process(model_dir, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[RequestOutput]]:
-    engine = LLMEngine(model_dir, CONFIG)
+    llm = LLM.from_engine(LLMEngine(model_dir, CONFIG))  # with the output processor: text
     for rid, ids in prompts.items():
-        engine.add_request(rid, ids, params)
+        llm.add_request(rid, ids, params)
     outputs: dict[str, list[RequestOutput]] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
+    while llm.has_unfinished_requests():
+        for out in llm.step():
             outputs.setdefault(out.request_id, []).append(out)
     return outputs
 

@@ -9,6 +9,7 @@ import pytest
 
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.engine import LLMEngine
+from inflight.llm import LLM
 from inflight.sampling_params import InvalidRequestError, SamplingParams
 
 
@@ -87,6 +88,7 @@ def test_a_normal_json_schema_passes_the_bounds():
 
 def test_stop_token_text_is_not_output_unless_asked(engine):
     ids = engine.tokenize("Hello world")
+    engine = LLM.from_engine(engine)  # with the output processor: text
     engine.add_request("probe", ids, SamplingParams(temperature=0, max_tokens=3))
     probe = [o for o in _finish(engine) if o.request_id == "probe"]
     tokens = [t for o in probe for t in o.new_token_ids]

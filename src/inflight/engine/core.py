@@ -3,7 +3,7 @@
 Started by `core_client.CoreClient` (spawn). The loop takes what the front sent (new requests, aborts) —
 without waiting while there is work, blocking when idle — runs one `engine.step()`, and sends ONE
 message with every request's outputs of that step (and the engine snapshot at most every
-SNAPSHOT_INTERVAL_S, and once more when the engine goes idle). The engine runs with `detokenize=False`:
+SNAPSHOT_INTERVAL_S, and once more when the engine goes idle). The engine makes no text:
 its outputs are token ids (with logprobs and the finishes max_tokens, EOS, stop tokens and grammars make);
 text and stop strings are the front's, which aborts a request a stop string ended. A step that fails fails the
 requests in flight; an engine that cannot recover says `Broken` and answers every later request with
@@ -77,7 +77,7 @@ class EngineCore:
         torch.set_num_threads(spec.num_threads or len(os.sched_getaffinity(0)))
         module, _, name = spec.engine_class.partition(":")
         engine_cls = getattr(importlib.import_module(module), name)
-        self.engine = engine_cls(spec.model_dir, spec.config, detokenize=False)  # the front detokenizes
+        self.engine = engine_cls(spec.model_dir, spec.config)  # token ids out: the front detokenizes
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.encoder = msgspec.msgpack.Encoder()

@@ -32,7 +32,7 @@ from typing import Protocol
 from inflight.engine import wire
 from inflight.engine.core import CoreSpec
 from inflight.engine.core_client import CoreClient, CoreError
-from inflight.engine.engine import check_params, tokenize_prompt
+from inflight.engine.validation import check_params, tokenize_prompt
 from inflight.engine.stats import EngineSnapshot
 from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, merge_outputs
