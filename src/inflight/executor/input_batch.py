@@ -40,8 +40,8 @@ import torch
 from inflight.executor.attention import AttentionMetadata
 from inflight.executor.sampler import SamplingMetadata, sampling_row_values
 
-if TYPE_CHECKING:  # the engine hands its sequences down; the executor never imports the engine
-    from inflight.engine.sequence import Sequence
+if TYPE_CHECKING:
+    from inflight.executor.scheduled import ScheduledSequence
 
 
 class StagedBuffer:
@@ -107,8 +107,8 @@ class InputBatch:
         self.num_blocks_per_row, self.num_tokens, self.num_prompt_tokens, self.token_slot, self.num_preemptions = (
             self._ints[: len(self._int_fields)]
         )
-        self._seqs: list[Sequence] = []  # row -> request
-        self._index: dict[Sequence, int] = {}  # request -> row
+        self._seqs: list[ScheduledSequence] = []  # row -> request
+        self._index: dict[ScheduledSequence, int] = {}  # request -> row (by identity)
 
         # Token slots (a free list; rows never move). np.zeros maps untouched pages lazily, so a large
         # max_model_len costs memory only for the ids requests actually hold.
@@ -129,7 +129,7 @@ class InputBatch:
 
     # ---- the diff ------------------------------------------------------------------------------------
 
-    def update(self, seqs: list[Sequence]) -> None:
+    def update(self, seqs: list[ScheduledSequence]) -> None:
         """Make rows 0..len(seqs)-1 hold `seqs`, in order, with their current block tables and token ids."""
         if len(seqs) > self.max_num_seqs:
             raise ValueError(f"{len(seqs)} sequences scheduled: the batch holds max_num_seqs={self.max_num_seqs}")
@@ -146,7 +146,7 @@ class InputBatch:
         self._append_tokens(seqs)  # first: it checks the lengths that bound the block tables too
         self._append_blocks(seqs)
 
-    def _update_rows(self, seqs: list[Sequence], preemptions: np.ndarray) -> None:
+    def _update_rows(self, seqs: list[ScheduledSequence], preemptions: np.ndarray) -> None:
         old_n, n = len(self._seqs), len(seqs)
         index = self._index
         src = np.fromiter((index.get(s, -1) for s in seqs), dtype=np.int64, count=n)  # -1: a fresh row
@@ -175,7 +175,7 @@ class InputBatch:
         self._seqs = list(seqs)
         self._index = {s: i for i, s in enumerate(seqs)}
 
-    def _add_row(self, row: int, seq: Sequence) -> None:
+    def _add_row(self, row: int, seq: ScheduledSequence) -> None:
         # Its block table and token ids follow in the append passes (from length 0).
         self.num_blocks_per_row[row] = 0
         self.num_tokens[row] = 0
@@ -186,7 +186,7 @@ class InputBatch:
         self._ints[len(self._int_fields) :, row] = [values[k] for k in self._sampling_ints]
         self._floats[:, row] = [values[k] for k in self._sampling_floats]
 
-    def _append_blocks(self, seqs: list[Sequence]) -> None:
+    def _append_blocks(self, seqs: list[ScheduledSequence]) -> None:
         n = len(seqs)
         lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=n)
         known = self.num_blocks_per_row[:n]
@@ -203,7 +203,7 @@ class InputBatch:
             table[i, start:end] = blocks[start:]
         known[changed] = lens[changed]
 
-    def _append_tokens(self, seqs: list[Sequence]) -> None:
+    def _append_tokens(self, seqs: list[ScheduledSequence]) -> None:
         n = len(seqs)
         totals = np.fromiter((len(s.prompt_token_ids) + len(s.output_token_ids) for s in seqs), np.int64, count=n)
         known = self.num_tokens[:n]
@@ -232,7 +232,10 @@ class InputBatch:
     # ---- one step's inputs ---------------------------------------------------------------------------
 
     def prepare(
-        self, seqs: list[Sequence], num_scheduled_tokens: list[int], spec_token_ids: list[list[int]] | None = None
+        self,
+        seqs: list[ScheduledSequence],
+        num_scheduled_tokens: list[int],
+        spec_token_ids: list[list[int]] | None = None,
     ) -> BatchInputs:
         """Update the rows by diff, then build the step's flattened inputs from them. `spec_token_ids`: each
         sequence's draft tokens, scheduled after its own tokens (they go in the row's token slot past its

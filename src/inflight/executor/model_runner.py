@@ -25,8 +25,8 @@ from inflight.executor.sampler import SamplingMetadata
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import PackedLinear
 
-if TYPE_CHECKING:  # the engine hands its batch down; the executor never imports the engine
-    from inflight.engine.scheduler import SchedulerOutput
+if TYPE_CHECKING:
+    from inflight.executor.scheduled import ScheduledStep
 
 
 @dataclass
@@ -154,7 +154,7 @@ class ModelRunner:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
 
-    def prepare(self, sched: SchedulerOutput) -> BatchInputs:
+    def prepare(self, sched: ScheduledStep) -> BatchInputs:
         return self.input_batch.prepare(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -168,7 +168,7 @@ class ModelRunner:
         return self.model(input_ids, positions, meta, self.kv_caches, self.ops)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+    def execute(self, sched: ScheduledStep) -> ModelOutput:
         inputs = self.prepare(sched)
         meta, sample_rows = inputs.attn_metadata, inputs.sample_rows
         # The thread count is process-wide: put it back after the forward, so that nothing else (the

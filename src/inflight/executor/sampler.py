@@ -20,8 +20,8 @@ from inflight.executor.sampling_noise import gumbel_argmax, gumbel_noise, id_has
 from inflight.ops import cpu as cpu_ops
 from inflight.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # the engine hands its sequences down; the executor never imports the engine
-    from inflight.engine.sequence import Sequence
+if TYPE_CHECKING:
+    from inflight.executor.scheduled import ScheduledSequence
 
 # Below this a temperature is treated as greedy: logits / 1e-6 would overflow float32 softmax maths.
 _MIN_TEMPERATURE = 1e-5
@@ -101,7 +101,7 @@ class SamplingMetadata:
     token_rows: np.ndarray  # int64 [S]
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence]) -> SamplingMetadata:
+    def from_seqs(cls, seqs: list[ScheduledSequence]) -> SamplingMetadata:
         rows = [sampling_row_values(s.sampling_params, s.seed) for s in seqs]
         width = max((s.num_tokens for s in seqs), default=0)
         token_ids = np.zeros((len(seqs), width), dtype=np.int64)
@@ -163,7 +163,7 @@ class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
-        seqs: list[Sequence],
+        seqs: list[ScheduledSequence],
         grammar_bitmask: tuple[torch.Tensor, torch.Tensor] | None = None,
         metadata: SamplingMetadata | None = None,
         in_place: bool = False,
@@ -200,7 +200,11 @@ class Sampler:
     # -- logits processors (before temperature) -------------------------------------------------------
 
     def penalize(
-        self, work: torch.Tensor, seqs: list[Sequence], metadata: SamplingMetadata | None = None, in_place=False
+        self,
+        work: torch.Tensor,
+        seqs: list[ScheduledSequence],
+        metadata: SamplingMetadata | None = None,
+        in_place=False,
     ) -> torch.Tensor:
         """Repetition / presence / frequency penalties and the min_tokens mask (greedy rows too, as in
         vLLM and HF). Returns `work` itself when no row needs either, else a modified copy (`work` itself,

@@ -9,15 +9,18 @@ between the torch reference and the Triton kernels.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from inflight.models.config import ModelConfig
 
-if TYPE_CHECKING:  # the executor hands the model its batch and ops; models sit below the executor
-    from inflight.executor.attention import AttentionMetadata
+
+class StepMetadata(Protocol):
+    """What a layer reads of the executor's AttentionMetadata; the rest it hands on to the backend's ops."""
+
+    slot_mapping: torch.Tensor  # [T] int64: the cache slot of each new token's K/V
 
 
 class RMSNormWeight(nn.Module):
@@ -128,7 +131,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        meta: AttentionMetadata,
+        meta: StepMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         ops: Any,
     ) -> torch.Tensor:  # [T, hidden]
