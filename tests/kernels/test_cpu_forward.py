@@ -46,7 +46,38 @@ def test_same_bits_as_the_per_op_path(tmp_path, case, dtype):
     if not cpu.gemm_supports(dtype, 64):
         pytest.skip(f"no AVX-512 GEMM for {dtype} on this CPU: the per-op path runs")
     arch, extra = CASES[case]
-    runner = runner_for(make_checkpoint(tmp_path, arch, **extra), dtype)
+    assert_same_bits(runner_for(make_checkpoint(tmp_path, arch, **extra), dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q4_K"])
+def test_gguf_layers_give_the_same_bits_as_the_per_op_path(tmp_path, qtype, dtype):
+    """Every linear on GGUF blocks (QuantizedLinear): the stack calls the same GGUF task function. Q4_K: layer
+    0's qkv_proj fused from parts of two block types (Q6_K v beside Q4_K q and k), one segment each."""
+    gguf = pytest.importorskip("gguf")
+    from test_gguf_cpu import random_blocks
+    from test_gguf_loader import TINY_K, tiny_hf_model, write_gguf
+
+    from inflight.models.quantized import GGUFWeight, QuantizedLinear
+
+    Q = gguf.GGMLQuantizationType
+    if not cpu.gguf_supports(int(Q[qtype]), dtype, 256):
+        pytest.skip(f"no GGUF kernel for {dtype} on this CPU")
+    hf = tiny_hf_model(**(TINY_K if qtype == "Q4_K" else {}))
+    model, _ = load_model(write_gguf(tmp_path / "tiny.gguf", hf, Q[qtype]), dtype, torch.device("cpu"), "packed")
+    attn = model.model.layers[0].self_attn
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) == 4 * model.cfg.num_hidden_layers + 1  # every linear and the output layer
+    if qtype == "Q4_K":
+        h, d, kv = model.cfg.hidden_size, model.cfg.head_dim, model.cfg.num_key_value_heads
+        shapes = [(Q.Q4_K, model.cfg.num_attention_heads * d), (Q.Q4_K, kv * d), (Q.Q6_K, kv * d)]
+        parts = [GGUFWeight(int(q), random_blocks(q, n, h, seed=i), (n, h)) for i, (q, n) in enumerate(shapes)]
+        attn.qkv_proj = QuantizedLinear.from_gguf(parts, dtype, torch.device("cpu"))
+        assert len(attn.qkv_proj.segments) == 2
+    assert_same_bits(ModelRunner(model, 64, BLOCK, 256, dtype, torch.device("cpu"), "torch"))
+
+
+def assert_same_bits(runner: ModelRunner) -> None:
     assert runner.cpu_forward is not None
     gen = torch.Generator().manual_seed(0)
     for k, v in runner.kv_caches:  # the cached prefixes: anything but zeros

@@ -17,6 +17,7 @@ from inflight.executor.attention import AttentionMetadata
 from inflight.executor.attention.torch_backend import token_rows
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import PackedLinear
+from inflight.models.quantized import QuantizedLinear
 from inflight.ops import cpu
 
 
@@ -29,28 +30,45 @@ class CpuForward:
         self.dims = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size)
         self.eps = cfg.rms_norm_eps
         self.qk_eps = cfg.rms_norm_eps
-        empty = torch.empty(0, dtype=model.model.norm.weight.dtype)
+        dtype = model.model.norm.weight.dtype
+        empty = torch.empty(0, dtype=dtype)
         self.weights: list[torch.Tensor] = []
-        for layer in model.model.layers:
+        # GGUF-quantized GEMMs: their slot holds an empty tensor, their segments go here, one table row each
+        self.segments: list[torch.Tensor] = []
+        table: list[tuple[int, int, int, int, int]] = []
+
+        def gemm(linear: PackedLinear | QuantizedLinear, layer: int, slot: int) -> list[torch.Tensor]:
+            bias = linear.bias if linear.bias is not None else empty
+            if isinstance(linear, PackedLinear):
+                return [linear.packed, bias]
+            for s in linear.segments:
+                self.segments.append(s.data)
+                table.append((layer, slot, s.qtype, s.start, s.size))
+            return [empty, bias]
+
+        for i, layer in enumerate(model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             norms = (attn.q_norm.weight, attn.k_norm.weight) if attn.qk_norm else (empty, empty)
             if attn.qk_norm:
                 self.qk_eps = attn.q_norm.eps
-            self.weights += [layer.input_layernorm.weight, *_gemm(attn.qkv_proj), *norms, *_gemm(attn.o_proj)]
-            self.weights += [layer.post_attention_layernorm.weight, *_gemm(mlp.gate_up_proj), *_gemm(mlp.down_proj)]
+            self.weights += [layer.input_layernorm.weight, *gemm(attn.qkv_proj, i, 0), *norms]
+            self.weights += [*gemm(attn.o_proj, i, 1), layer.post_attention_layernorm.weight]
+            self.weights += [*gemm(mlp.gate_up_proj, i, 2), *gemm(mlp.down_proj, i, 3)]
         self.weights = [w.detach() for w in self.weights]
+        self.segment_table = torch.tensor(table, dtype=torch.int64).reshape(-1, 5)
         self.kv_caches = [c for pair in kv_caches for c in pair]
         self.scale = cfg.head_dim**-0.5
 
     @staticmethod
     def supported(model: LlamaForCausalLM, ops: Any) -> bool:
-        """True where every linear of the layer stack runs our GEMM and the C++ ops are in use."""
+        """True where every linear of the layer stack runs our GEMM (packed panels or GGUF blocks) and the C++
+        ops are in use."""
         if not getattr(ops, "native", False) or model.model.norm.weight.device.type != "cpu":
             return False
         dtype = model.model.norm.weight.dtype
         for layer in model.model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-            if not all(isinstance(m, PackedLinear) and m.own_gemm and m.dtype == dtype for m in linears):
+            if not all(_runs_here(m, dtype) for m in linears):
                 return False
         cfg = model.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 512 or dtype not in (torch.float32, torch.bfloat16):
@@ -67,9 +85,16 @@ class CpuForward:
         return cpu.llama_forward(
             out, h, positions, cos, sin, meta.slot_mapping, *rows, self.weights, self.kv_caches,
             self.model.model.norm.weight, self.dims, self.eps, self.qk_eps, self.scale,
+            self.segments, self.segment_table,
         )  # fmt: skip
 
 
-def _gemm(linear: PackedLinear) -> tuple[torch.Tensor, torch.Tensor]:
-    bias = linear.bias if linear.bias is not None else torch.empty(0, dtype=linear.dtype)
-    return linear.packed, bias
+def _runs_here(linear: Any, dtype: torch.dtype) -> bool:
+    if isinstance(linear, PackedLinear):
+        return linear.own_gemm and linear.dtype == dtype
+    if isinstance(linear, QuantizedLinear):
+        return linear.dtype == dtype and all(
+            s.data.device.type == "cpu" and cpu.gguf_supports(s.qtype, dtype, linear.in_features)
+            for s in linear.segments
+        )
+    return False

@@ -153,6 +153,9 @@ def gumbel_argmax(
     return out
 
 
+_NO_SEGMENTS = torch.empty((0, 5), dtype=torch.int64)
+
+
 def llama_forward(
     out: torch.Tensor,  # [T, H]: the final norm's output
     h: torch.Tensor,  # [T, H]: the embeddings, used as scratch
@@ -169,12 +172,16 @@ def llama_forward(
     eps: float,
     qk_eps: float,
     scale: float,
+    segments: list[torch.Tensor] | None = None,  # GGUF-packed weights of the GEMMs whose slot is empty
+    segment_table: torch.Tensor | None = None,  # int64 [segments, 5]: (layer, gemm 0-3, qtype, start, N) each
 ) -> torch.Tensor:
     """The Llama layer stack as one call a step; returns `out`."""
+    if segment_table is None:
+        segments, segment_table = [], _NO_SEGMENTS
     with record("llama_forward"):
         (_module or load()).llama_forward(
             out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches, final_norm,
-            *dims, eps, qk_eps, scale,
+            *dims, eps, qk_eps, scale, segments, segment_table,
         )  # fmt: skip
     return out
 

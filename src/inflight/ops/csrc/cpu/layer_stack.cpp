@@ -13,6 +13,7 @@
 
 #include "common.h"
 #include "gemm.h"
+#include "gguf_gemm.h"
 #include "ops.h"
 
 // The step's threads meet here between ops. A waiter spins first (its peer is mid-op, microseconds away)
@@ -62,6 +63,14 @@ struct Gemm {
 };
 
 constexpr int WEIGHTS_PER_LAYER = 12;  // in_ln, qkv, qkv_b, q_norm, k_norm, o, o_b, post_ln, gu, gu_b, down, down_b
+constexpr int GEMMS_PER_LAYER = 4;     // qkv, o, gate_up, down
+
+// A GGUF-quantized GEMM's outputs start..start+N, computed on a packed GGUF weight (gguf_gemm.h); a GEMM
+// whose slot holds no packed panels is a list of these (parts of different block types: one each).
+struct QuantSegment {
+  const uint8_t* w;
+  int64_t qtype, start, N;
+};
 
 // S: the ops' element type (float, c10::BFloat16); G: the GEMM's (float, uint16_t), the same bits.
 template <typename S, typename G>
@@ -73,14 +82,26 @@ struct Step {
   const int64_t* slots;
   AttentionArgs<S> attn;  // per layer: caches, query and out filled in
   const S* final_norm;
-  std::vector<const void*> w;  // L * WEIGHTS_PER_LAYER (nullptr where absent)
+  std::vector<const void*> w;                    // L * WEIGHTS_PER_LAYER (nullptr where absent)
+  std::vector<std::vector<QuantSegment>> quant;  // L * GEMMS_PER_LAYER: empty where the slot is packed panels
   std::vector<S*> k_caches, v_caches;
   S *h, *x, *qkv, *att, *gu, *act, *dn;
   std::atomic<int64_t>* attn_next;  // [L]: the next unclaimed attention task of each layer
   SpinBarrier bar;
 
-  void gemm(const S* in, int64_t M, const void* w_, const void* b_, int64_t N, int64_t K, S* out, int tid, int nt) {
+  void gemm(int64_t l, int g, const S* in, int64_t M, const void* w_, const void* b_, int64_t N, int64_t K, S* out,
+            int tid, int nt) {
     int64_t b, e;
+    const std::vector<QuantSegment>& segs = quant[l * GEMMS_PER_LAYER + g];
+    if (!segs.empty()) {  // each thread its share of every segment's tasks: disjoint columns, no barrier between
+      for (const QuantSegment& s : segs) {
+        share(gemm_tasks(M, s.N), tid, nt, b, e);
+        gguf_gemm_range<G>(reinterpret_cast<const G*>(in), K, s.w, s.qtype, M, s.N, K,
+                           reinterpret_cast<G*>(out) + s.start, N, b_ ? static_cast<const G*>(b_) + s.start : nullptr,
+                           b, e);
+      }
+      return;
+    }
     share(gemm_tasks(M, N), tid, nt, b, e);
     gemm_range<G>(reinterpret_cast<const G*>(in), K, static_cast<const G*>(w_), M, N, K, reinterpret_cast<G*>(out), N,
                   static_cast<const G*>(b_), b, e);
@@ -102,7 +123,7 @@ struct Step {
         xin = dn;
       }
       bar.wait(nt);
-      gemm(xin, T, lw[1], lw[2], Nqkv, H, qkv, tid, nt);
+      gemm(l, 0, xin, T, lw[1], lw[2], Nqkv, H, qkv, tid, nt);
       bar.wait(nt);
       if (lw[3] != nullptr) {  // Qwen3: RMSNorm over each head of q and k
         for (int64_t t = rb; t < re; ++t) {
@@ -126,15 +147,15 @@ struct Step {
       for (int64_t c; (c = attn_next[l].fetch_add(chunk, std::memory_order_relaxed)) < tasks;)
         attention_tasks_any<S>(a, std::max<int64_t>(0, tasks - c - chunk), tasks - c);
       bar.wait(nt);
-      gemm(att, T, lw[5], lw[6], H, Hq * D, x, tid, nt);
+      gemm(l, 1, att, T, lw[5], lw[6], H, Hq * D, x, tid, nt);
       bar.wait(nt);
       rms_norm_rows<S>(x, H, x, H, res, H, static_cast<const S*>(lw[7]), H, eps, rb, re);
       bar.wait(nt);
-      gemm(x, T, lw[8], lw[9], 2 * I, H, gu, tid, nt);
+      gemm(l, 2, x, T, lw[8], lw[9], 2 * I, H, gu, tid, nt);
       bar.wait(nt);
       silu_and_mul_rows<S>(act, I, gu, 2 * I, I, rb, re);
       bar.wait(nt);
-      gemm(act, T, lw[10], lw[11], H, I, dn, tid, nt);
+      gemm(l, 3, act, T, lw[10], lw[11], H, I, dn, tid, nt);
       bar.wait(nt);
     }
     rms_norm_rows<S>(dn, H, dn, H, res, H, final_norm, H, eps, rb, re);
@@ -145,8 +166,8 @@ template <typename S, typename G>
 static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                          at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                          const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
-                         at::Tensor final_norm, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps,
-                         double qk_eps, double scale) {
+                         const std::vector<std::vector<QuantSegment>>& quant, at::Tensor final_norm, int64_t Hq,
+                         int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale) {
   const int64_t T = h.size(0), H = h.size(1), L = (int64_t)kv_caches.size() / 2;
   const auto opt = h.options();
   at::Tensor x = at::empty({T, H}, opt), qkv = at::empty({T, (Hq + 2 * Hkv) * D}, opt);
@@ -159,6 +180,7 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
   st.slots = slot_mapping.data_ptr<int64_t>();
   st.final_norm = final_norm.data_ptr<S>();
   for (const at::Tensor& t : weights) st.w.push_back(t.numel() ? t.data_ptr() : nullptr);
+  st.quant = quant;
   for (int64_t l = 0; l < L; ++l) {
     st.k_caches.push_back(kv_caches[2 * l].data_ptr<S>());
     st.v_caches.push_back(kv_caches[2 * l + 1].data_ptr<S>());
@@ -203,7 +225,8 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
 void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                    at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
-                   int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale) {
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
+                   std::vector<at::Tensor> segments, at::Tensor segment_table) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && out.is_contiguous() && out.sizes() == h.sizes() &&
                   out.scalar_type() == h.scalar_type(),
               "h, out: contiguous [T, H]");
@@ -213,15 +236,42 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
               "weights: 12 per layer, kv_caches: 2 per layer");
   TORCH_CHECK(D % 2 == 0 && D <= 512 && Hq % Hkv == 0, "D even and <= 512, Hq a multiple of Hkv");
   const int64_t Nqkv = (Hq + 2 * Hkv) * D;
-  // (numel of the packed weight, N) per GEMM slot; norms are [width]; biases [N] or empty.
+  // (slot of the packed weight, N, K) per GEMM; norms are [width]; biases [N] or empty.
   const int64_t gemm_shapes[4][3] = {{1, Nqkv, H}, {5, H, Hq * D}, {8, 2 * I, H}, {10, H, I}};
+  // GGUF segments: row s of the int64 table [S, 5] is (layer, gemm 0-3, qtype, start, N) of segments[s]; a
+  // GEMM's segments come in column order and cover its outputs.
+  std::vector<std::vector<QuantSegment>> quant(L * GEMMS_PER_LAYER);
+  TORCH_CHECK(segment_table.scalar_type() == at::kLong && segment_table.is_contiguous() && segment_table.dim() == 2 &&
+                  segment_table.size(1) == 5 && segment_table.size(0) == (int64_t)segments.size(),
+              "segment_table: int64 [segments, 5]");
+  const int64_t* st = segment_table.data_ptr<int64_t>();
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const int64_t l = st[5 * s], g = st[5 * s + 1], qtype = st[5 * s + 2], start = st[5 * s + 3], n = st[5 * s + 4];
+    TORCH_CHECK(l >= 0 && l < L && g >= 0 && g < GEMMS_PER_LAYER && gguf_known(qtype), "a bad GGUF segment");
+    const int64_t N = gemm_shapes[g][1], K = gemm_shapes[g][2];
+    auto& segs = quant[l * GEMMS_PER_LAYER + g];
+    TORCH_CHECK(start == (segs.empty() ? 0 : segs.back().start + segs.back().N) && n > 0 && start + n <= N,
+                "GGUF segments must tile their GEMM's outputs in order");
+    TORCH_CHECK(K % gguf_block_size(qtype) == 0 && segments[s].scalar_type() == at::kByte &&
+                    segments[s].is_contiguous() && segments[s].numel() == gguf_packed_bytes(qtype, n, K),
+                "a GGUF segment does not match its layer's shape");
+    TORCH_CHECK(dt != at::kBFloat16 || K % 2 == 0, "bf16 GEMMs need an even K");
+    segs.push_back(QuantSegment{segments[s].data_ptr<uint8_t>(), qtype, start, n});
+  }
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* lw = weights.data() + l * WEIGHTS_PER_LAYER;
     for (int i = 0; i < WEIGHTS_PER_LAYER; ++i)
       TORCH_CHECK(!lw[i].numel() || (lw[i].is_contiguous() && lw[i].scalar_type() == dt),
                   "weights: contiguous, h's dtype");
-    for (const auto& g : gemm_shapes) {
-      TORCH_CHECK(lw[g[0]].numel() == panel_elems(g[1], g[2]), "a packed weight does not match the model's shape");
+    for (int gi = 0; gi < GEMMS_PER_LAYER; ++gi) {
+      const int64_t* g = gemm_shapes[gi];
+      const auto& segs = quant[l * GEMMS_PER_LAYER + gi];
+      if (segs.empty()) {
+        TORCH_CHECK(lw[g[0]].numel() == panel_elems(g[1], g[2]), "a packed weight does not match the model's shape");
+      } else {
+        TORCH_CHECK(!lw[g[0]].numel() && segs.back().start + segs.back().N == g[1],
+                    "a GEMM is either packed panels or GGUF segments covering its outputs");
+      }
       TORCH_CHECK(!lw[g[0] + 1].numel() || lw[g[0] + 1].numel() == g[1], "a bias does not match its layer");
       TORCH_CHECK(dt != at::kBFloat16 || g[2] % 2 == 0, "bf16 GEMMs need an even K");
     }
@@ -263,13 +313,13 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
   if (dt == at::kFloat) {
 #ifdef __AVX512F__
     forward_impl<float, float>(out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches,
-                               final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
+                               quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
     return;
 #endif
   } else if (dt == at::kBFloat16) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     forward_impl<c10::BFloat16, uint16_t>(out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights,
-                                          kv_caches, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
+                                          kv_caches, quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
     return;
 #endif
   }

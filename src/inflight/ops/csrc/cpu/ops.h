@@ -35,7 +35,8 @@ bool amx_for(int64_t K);
 void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                    at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
-                   int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale);
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
+                   std::vector<at::Tensor> segments, at::Tensor segment_table);
 
 // ---- bodies over rows begin..end; inputs already checked (nothing here throws) ----
 template <typename T>
