@@ -38,7 +38,7 @@ class SchedulerOutput:
         return sum(self.num_scheduled_tokens)
 
     def subset(self, lo: int, hi: int) -> SchedulerOutput:
-        """The scheduled sequences lo..hi-1 as a step of their own (the decode counts are the whole step's)."""
+        """The scheduled sequences lo..hi-1 as a step of their own (decode counts are kept for the whole step)."""
         spec = self.spec_token_ids[lo:hi] if self.spec_token_ids is not None else None
         return SchedulerOutput(self.seqs[lo:hi], self.num_scheduled_tokens[lo:hi], spec_token_ids=spec)
 
