@@ -14,7 +14,8 @@ from inflight.engine import wire
 from inflight.engine.core import CoreSpec
 from inflight.engine.core_client import CoreClient
 from inflight.engine.engine import LLMEngine
-from inflight.engine.stats import EngineSnapshot, StepStats
+from inflight.engine.stats import EngineSnapshot, IterationStats, SchedulerStats, StepStats
+from inflight.errors import ErrorKind
 from inflight.llm import LLM
 from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, TokenLogprob
@@ -41,16 +42,40 @@ def test_step_outputs_round_trip():
         3,
         None,
         "invalid",
+        None,
         16,
         7,
     )
     stats = StepStats(1.0, 1, 0, 1, 1, 0, 1, 2, 64, 0, 0.0, 0.01, 0.005, 4)
-    snap = EngineSnapshot(5, 2, 3, 0, 1, 0, 2, 62, 4, stats, 0, 2, 0)
-    message = wire.StepOutputs([wire.Output.of(out), wire.Output.failure("r2", "invalid", "bad")], snap)
+    state = SchedulerStats(1, 0, 2, 62, 0, 4, stats, 0.5)
+    counts = IterationStats(steps=5, prompt_tokens=2, spec_decode_num_accepted_tokens_per_pos=(2, 1))
+    failure = wire.Output.failure("r2", ErrorKind.LIMIT, "max_tokens=9 is too large", "max_tokens")
+    message = wire.StepOutputs([wire.Output.of(out), failure], state, counts)
     back = _roundtrip(message, wire.FromCore)
     assert back == message
     assert back.outputs[0].to_request_output([1, 2]) == out
-    assert back.snapshot == snap and back.snapshot.last_step.occupancy == 0.25
+    assert (back.outputs[1].error_kind, back.outputs[1].error_field) == ("limit", "max_tokens")
+    assert back.scheduler_stats.last_step.occupancy == 0.25 and back.iteration_stats == counts
+
+
+def test_iteration_stats_are_the_counts_between_two_snapshots_and_add_up():
+    def snap(steps, generated, per_pos):
+        return EngineSnapshot(
+            steps, 4, generated, 0, 0, 0, 0, 8, 4, None, spec_decode_num_accepted_tokens_per_pos=per_pos
+        )
+
+    first, second = snap(3, 5, (1,)), snap(7, 12, (2, 1))
+    a, b = IterationStats.between(None, first), IterationStats.between(first, second)
+    assert (a.steps, a.generation_tokens, a.prompt_tokens) == (3, 5, 4)
+    assert (b.steps, b.generation_tokens, b.prompt_tokens, b.spec_decode_num_accepted_tokens_per_pos) == (
+        4,
+        7,
+        0,
+        (1, 1),
+    )
+    total = a + b
+    assert (total.steps, total.generation_tokens, total.spec_decode_num_accepted_tokens_per_pos) == (7, 12, (2, 1))
+    assert not IterationStats.between(second, second) and total
 
 
 def test_requests_round_trip():
@@ -156,9 +181,9 @@ def test_core_aborts_and_rejects(core):
     assert errors["bad"][-1].error_kind == "invalid" and "max_model_len=256" in errors["bad"][-1].error
     assert "outside the vocabulary" in errors["oov"][-1].error
     core.abort(["long"])
-    snapshot = None
+    state = None
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (snapshot is None or snapshot.num_running):
+    while time.monotonic() < deadline and (state is None or state.num_running):
         for message in core.poll(0.2):
-            snapshot = getattr(message, "snapshot", None) or snapshot
-    assert snapshot is not None and snapshot.num_running == 0 and snapshot.num_kv_blocks_used == 0
+            state = getattr(message, "scheduler_stats", None) or state
+    assert state is not None and state.num_running == 0 and state.num_kv_blocks_used == 0

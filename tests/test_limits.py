@@ -105,3 +105,39 @@ def test_stop_token_text_is_not_output_unless_asked(engine):
         first = engine.tokenizer.decode(tokens[:1])
         both = engine.tokenizer.decode(tokens[:2])
         assert text == (both if include else first)
+
+
+@pytest.mark.parametrize(
+    ("parameters", "want"),
+    [
+        ({"max_model_len": "256", "num_kv_blocks": "64", "block_size": "16"}, (256, 4096, 1024)),
+        ({"max_model_len": "", "max_prompt_bytes": "100", "block_size": "16"}, (None, 100, None)),
+    ],
+)
+def test_a_client_reads_the_limits_the_config_publishes(parameters, want):
+    from inflight.limits import ModelLimits
+
+    limits = ModelLimits.from_parameters(parameters)
+    assert (limits.max_model_len, limits.max_prompt_bytes, limits.kv_capacity_tokens) == want
+
+
+def test_a_client_resolves_the_limits_as_the_engine_does(engine, demo_model_dir):
+    # One rule for each default: what a client derives from the config and the checkpoint is the engine's.
+    from inflight.limits import ModelLimits
+
+    native = engine.model_config.max_position_embeddings
+    for configured in ("256", str(native * 2), ""):
+        parameters = {"max_model_len": configured, "num_kv_blocks": "64", "block_size": "16"}
+        limits = ModelLimits.from_parameters(parameters, native)
+        config = EngineConfig(max_model_len=int(configured) if configured else None, num_kv_blocks=64)
+        other = engine if configured == "256" else LLMEngine(demo_model_dir, config)
+        assert (limits.max_model_len, limits.max_prompt_bytes) == (other.max_model_len, other.max_prompt_bytes)
+        assert limits.kv_capacity_tokens == other.num_kv_blocks * other.config.block_size
+    assert ModelLimits.from_parameters({"max_model_len": "256"}).max_tokens_after(250) == 6
+
+
+def test_the_default_max_tokens_is_what_both_the_context_and_the_kv_cache_leave():
+    from inflight.limits import ModelLimits
+
+    limits = ModelLimits.from_parameters({"max_model_len": "512", "num_kv_blocks": "8", "block_size": "16"})
+    assert limits.max_tokens_after(100) == 28 and limits.max_tokens_after(128) is None

@@ -29,7 +29,8 @@ class RequestOutput:
     # Set when the request failed after it was accepted (e.g. its grammar cannot compile): the message
     # names the field and the reason. `finished` is then True.
     error: str | None = None
-    error_kind: str = "invalid"  # "invalid": the request's own input; "internal": the engine failed on it
+    error_kind: str = "invalid"  # an inflight.errors.ErrorKind's value ("invalid": the request's own input)
+    error_field: str | None = None  # the request field at fault, if one is
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     # vLLM's: the stop string, or the stop token's id (EOS too, where vLLM gives None), that ended it.
     stop_reason: int | str | None = None

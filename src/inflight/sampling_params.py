@@ -10,14 +10,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from inflight.coerce import field_types, is_scalar, parse_scalar, type_name
-
-
-class InvalidRequestError(ValueError):
-    """A request the user can fix: the message names the field, the value and the allowed range."""
+from inflight.errors import ErrorKind, InvalidRequestError
 
 
 def _fail(name: str, value: Any, allowed: str) -> None:
-    raise InvalidRequestError(f"{name}={value!r} is invalid: must be {allowed}")
+    raise InvalidRequestError(f"{name}={value!r} is invalid: must be {allowed}", name.partition(".")[0])
 
 
 @dataclass(frozen=True)
@@ -47,13 +44,14 @@ class StructuredOutputsParams:
         unknown = sorted(set(value) - known)
         if unknown:
             raise InvalidRequestError(
-                f"{field_name} has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}"
+                f"{field_name} has unknown key(s) {unknown}; known keys: {', '.join(sorted(known))}", field_name
             )
         given = [k for k in cls.CONSTRAINTS if value.get(k) is not None]
         if len(given) != 1:
             raise InvalidRequestError(
                 f"{field_name} must give exactly one constraint of {', '.join(cls.CONSTRAINTS)}; got "
-                f"{len(given)}{': ' + ', '.join(given) if given else ''}"
+                f"{len(given)}{': ' + ', '.join(given) if given else ''}",
+                field_name,
             )
         (kind,) = given
         spec = value[kind]
@@ -64,7 +62,7 @@ class StructuredOutputsParams:
                 try:
                     spec = json.loads(spec)
                 except json.JSONDecodeError as e:
-                    raise InvalidRequestError(f"{name} is not valid JSON: {e}") from None
+                    raise InvalidRequestError(f"{name} is not valid JSON: {e}", field_name) from None
             if not isinstance(spec, (dict, bool)):
                 _fail(name, spec, "a JSON schema (an object, or its JSON text)")
         elif kind == "choice":
@@ -191,7 +189,8 @@ class SamplingParams:
         if len(given) > 1:
             raise InvalidRequestError(
                 f"{' and '.join(given)} are both set: a request takes one output constraint "
-                "(structured_outputs, or one of the older guided_* keys)"
+                "(structured_outputs, or one of the older guided_* keys)",
+                given[0],
             )
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.from_value(self.structured_outputs)
@@ -225,13 +224,15 @@ class SamplingParams:
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
         """Build from JSON-ish input; numbers may arrive as strings (genai-perf sends `"64"`)."""
         if not isinstance(data, dict):
-            raise InvalidRequestError(f"sampling_parameters must be a JSON object, got {type(data).__name__}")
+            raise InvalidRequestError(
+                f"sampling_parameters must be a JSON object, got {type(data).__name__}", "sampling_parameters"
+            )
         known = field_types(cls)
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             if key not in known:
                 raise InvalidRequestError(
-                    f"sampling_parameters has unknown key {key!r}; known keys: {', '.join(sorted(known))}"
+                    f"sampling_parameters has unknown key {key!r}; known keys: {', '.join(sorted(known))}", key
                 )
             kwargs[key] = _coerce(key, known[key], value)
         return cls(**kwargs)
@@ -242,19 +243,23 @@ class SamplingParams:
         size = len(text.encode("utf-8")) if len(text) * 4 > max_bytes else len(text)
         if size > max_bytes:
             raise InvalidRequestError(
-                f"sampling_parameters is {size} bytes: the limit is max_sampling_parameters_bytes={max_bytes}"
+                f"sampling_parameters is {size} bytes: the limit is max_sampling_parameters_bytes={max_bytes}",
+                "sampling_parameters",
+                ErrorKind.LIMIT,
             )
         try:
             data = json.loads(text) if text.strip() else {}
         except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}") from None
+            raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}", "sampling_parameters") from None
         except RecursionError:
             data, depth = None, max_depth + 1
         else:
             depth = json_depth(data, max_depth + 1)
         if depth > max_depth:
             raise InvalidRequestError(
-                f"sampling_parameters nests more than {max_depth} levels deep: the limit is max_json_depth={max_depth}"
+                f"sampling_parameters nests more than {max_depth} levels deep: the limit is max_json_depth={max_depth}",
+                "sampling_parameters",
+                ErrorKind.LIMIT,
             )
         return cls.from_dict(data)
 

@@ -11,6 +11,8 @@ from e2e_util import ENGINE_ARGS, http_generate, metric, scrape, settled, wait_f
 from helpers import PROMPTS
 from inflight_client import InferenceError
 
+from inflight.errors import ErrorKind, read_tagged
+
 
 def test_cancel_mid_stream_returns_kv_blocks(client, server, step_log):
     before = metric(settled(server), "inflight_generation_tokens_total")
@@ -112,6 +114,22 @@ def test_bad_request_gets_invalid_arg_and_server_keeps_serving(client, server, c
     assert good.text and good.finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize(
+    ("sampling", "kind", "field"),
+    [
+        ({"top_p": 1.5}, ErrorKind.INVALID, "top_p"),
+        ({"temprature": 0.5}, ErrorKind.INVALID, "temprature"),
+        ({"stop": ["x" * 300_000]}, ErrorKind.LIMIT, "sampling_parameters"),  # over max_sampling_parameters_bytes
+    ],
+)
+def test_an_error_carries_its_kind_and_field_as_values(client, sampling, kind, field):
+    # The tag a Triton client reads the kind and the field from: no parsing of the message's words.
+    with pytest.raises(InferenceError) as info:
+        client.generate("Hello", sampling)
+    tagged = read_tagged(info.value.message)
+    assert tagged is not None and (tagged.kind, tagged.field) == (kind, field), info.value.message
+
+
 def test_limits_are_named_in_the_message(client):
     with pytest.raises(InferenceError) as info:
         client.generate("Hello", {"max_tokens": 100000})
@@ -161,6 +179,8 @@ def test_a_grammar_that_matches_nothing_is_invalid_arg(client):
     # It compiles but allows no token (root never ends): the user's input, not an engine failure.
     with pytest.raises(InferenceError) as info:
         client.generate(PROMPTS[0], {"max_tokens": 4, "structured_outputs": {"grammar": 'root ::= root "a"'}})
-    assert info.value.message.startswith("structured_outputs.grammar matches nothing"), info.value.message
+    tagged = read_tagged(info.value.message)
+    assert tagged is not None and tagged.kind is ErrorKind.INVALID, info.value.message
+    assert tagged.message.startswith("structured_outputs.grammar matches nothing"), info.value.message
     assert info.value.code in (None, "INVALID_ARGUMENT"), info.value
     assert client.generate(PROMPTS[0], {"temperature": 0, "max_tokens": 2}).text

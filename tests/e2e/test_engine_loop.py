@@ -23,6 +23,7 @@ class Recorder:
     def __init__(self) -> None:
         self.outputs = []
         self.error: tuple[ErrorKind, str] | None = None
+        self.field: str | None = None
         self.cancelled = False
         self.done = threading.Event()
         self.started = threading.Event()
@@ -36,8 +37,8 @@ class Recorder:
         if output.finished:
             self.done.set()
 
-    def on_error(self, kind: ErrorKind, message: str) -> None:
-        self.error = (kind, message)
+    def on_error(self, kind: ErrorKind, message: str, field: str | None = None) -> None:
+        self.error, self.field = (kind, message), field
         self.done.set()
 
     @property
@@ -64,12 +65,12 @@ def submit(loop, prompt: str = "Hello world", max_tokens: int = 8, **params) -> 
 
 
 def blocks_used(loop) -> int | None:
-    snap = loop.snapshot
-    return None if snap is None else snap.num_kv_blocks_used
+    state = loop.scheduler_stats
+    return None if state is None else state.num_kv_blocks_used
 
 
 def kv_freed(loop) -> bool:
-    return _wait(lambda: blocks_used(loop) == 0 and loop.snapshot.num_running == 0)
+    return _wait(lambda: blocks_used(loop) == 0 and loop.scheduler_stats.num_running == 0)
 
 
 def test_requests_complete(loop):
@@ -94,7 +95,7 @@ def test_engine_failure_fails_every_in_flight_request_and_recovers(loop):
 def test_invalid_request_from_the_engine_is_reported(loop):
     rec = submit(loop, max_tokens=10_000)
     assert rec.done.wait(30)
-    assert rec.error is not None and rec.error[0] is ErrorKind.INVALID and "max_model_len" in rec.error[1]
+    assert rec.error is not None and rec.error[0].is_users and "max_model_len" in rec.error[1]
 
 
 def test_invalid_prompt_is_reported_by_the_front(loop):
@@ -116,9 +117,10 @@ def test_cancellation_is_seen_within_the_interval(loop):
     rec = submit(loop, max_tokens=200, ignore_eos=True)
     assert rec.started.wait(30)
     rec.cancelled = True
-    cancelled_at = time.monotonic()
-    assert rec.done.wait(10) and rec.error[0] is ErrorKind.CANCELLED
-    assert time.monotonic() - cancelled_at < 1.0
+    # The loop polls every cancel_interval_s (0.05 s): a hundred intervals is generous on a loaded machine,
+    # and far shorter than the request left to run on its own.
+    assert rec.done.wait(5) and rec.error[0] is ErrorKind.CANCELLED
+    assert len(rec.outputs) < 200
     assert kv_freed(loop)
 
 
@@ -130,7 +132,7 @@ def test_a_stop_string_ends_the_stream_in_the_front_and_aborts_the_request_in_th
     stop = full.text[len(full.text) // 4 :][:3]
     assert stop.strip(), full.text
     assert kv_freed(loop)
-    before = loop.snapshot.generation_tokens
+    before = loop.totals.generation_tokens
     rec = submit(loop, "The model runs fast", max_tokens=240, ignore_eos=True, stop=[stop])
     assert rec.done.wait(30) and rec.error is None
     last = rec.outputs[-1]
@@ -139,8 +141,8 @@ def test_a_stop_string_ends_the_stream_in_the_front_and_aborts_the_request_in_th
     tokens = [t for o in rec.outputs for t in o.new_token_ids]
     assert tokens == [t for o in full.outputs for t in o.new_token_ids][: len(tokens)]
     assert last.num_output_tokens == len(tokens) < 64
-    assert _wait(lambda: loop.snapshot.generation_tokens - before >= len(tokens)) and kv_freed(loop)
-    generated = loop.snapshot.generation_tokens - before
+    assert _wait(lambda: loop.totals.generation_tokens - before >= len(tokens)) and kv_freed(loop)
+    generated = loop.totals.generation_tokens - before
     assert generated < 240, "the core ran on after the stop string"
 
 
@@ -196,17 +198,22 @@ def test_a_bug_while_delivering_fails_those_requests_and_the_responder_lives_on(
     assert second.done.wait(30) and second.error is None and second.text
 
 
-def test_metrics_are_published_from_snapshots_at_an_interval(demo_model_dir):
-    snaps = []
-    loop = EngineLoop(spec(demo_model_dir), on_iteration=snaps.append, metrics_interval_s=0.2).start()
+def test_metrics_are_published_as_deltas_at_an_interval(demo_model_dir):
+    published = []
+    loop = EngineLoop(
+        spec(demo_model_dir), on_iteration=lambda *args: published.append(args), metrics_interval_s=0.2
+    ).start()
     try:
         rec = submit(loop, max_tokens=30, ignore_eos=True)
         assert rec.done.wait(30)
-        time.sleep(0.5)
+        # The engine going idle is published too (then nothing more while it stays idle).
+        assert _wait(lambda: published and published[-1][0].num_running == 0 and sum(c.steps for _, c in published))
     finally:
         assert loop.stop(timeout_s=10)
-    assert snaps and snaps[-1].generation_tokens == 30 and snaps[-1].num_running == 0
-    assert len(snaps) < snaps[-1].steps  # not one publication per step
+    # Each publication carries the counts since the one before: they add up to the request's, once.
+    assert published and sum(counts.generation_tokens for _, counts in published) == 30
+    assert published[-1][0].num_running == 0
+    assert len(published) < sum(counts.steps for _, counts in published)  # not one publication per step
 
 
 def test_stop_fails_in_flight_and_later_requests_promptly(demo_model_dir):
@@ -214,10 +221,10 @@ def test_stop_fails_in_flight_and_later_requests_promptly(demo_model_dir):
     pid = loop.core_pid
     rec = submit(loop, max_tokens=200, ignore_eos=True)
     assert rec.started.wait(30)
-    started = time.monotonic()
     assert loop.stop(timeout_s=10)
-    assert time.monotonic() - started < 5
+    # Failed, not left to run on: it had most of its 200 tokens to go.
     assert rec.done.is_set() and rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
+    assert len(rec.outputs) < 200
     late = submit(loop)
     assert late.done.is_set() and late.error is not None and late.error[0] is ErrorKind.UNAVAILABLE
     assert not _alive(pid), "the engine core process outlived stop()"
@@ -256,17 +263,32 @@ def test_a_broken_engine_is_reported_once_and_not_spun(demo_model_dir):
         loop.stop(timeout_s=10)
 
 
+class StartsAtError(Recorder):
+    """Notes how many times the core had started when its request failed."""
+
+    def __init__(self, starts: list) -> None:
+        super().__init__()
+        self.starts, self.starts_at_error = starts, None
+
+    def on_error(self, *args, **kwargs) -> None:
+        self.starts_at_error = len(self.starts)
+        super().on_error(*args, **kwargs)
+
+
 def test_core_death_fails_in_flight_requests_at_once_and_the_core_restarts(demo_model_dir):
     starts = []
     loop = EngineLoop(spec(demo_model_dir), on_core_start=starts.append, restart_backoff_s=0.1).start()
     try:
         first_pid = loop.core_pid
-        recs = [submit(loop, max_tokens=200, ignore_eos=True) for _ in range(3)]
+        recs = [StartsAtError(starts) for _ in range(3)]
+        for i, rec in enumerate(recs):
+            loop.submit(Submission(f"d{i}", "Hello world", SamplingParams(max_tokens=200, ignore_eos=True), rec))
         assert all(r.started.wait(30) for r in recs)
         os.kill(first_pid, signal.SIGKILL)
-        killed = time.monotonic()
-        assert all(r.done.wait(2) for r in recs), "a request hung after the core died"
-        assert time.monotonic() - killed < 1.0
+        # The front sees the death at once (the process's sentinel); 10 s is only a generous bound for a loaded
+        # machine. The order is what counts: every request failed before a new core was started.
+        assert all(r.done.wait(10) for r in recs), "a request hung after the core died"
+        assert [r.starts_at_error for r in recs] == [1, 1, 1]
         for rec in recs:
             assert rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
             assert "the engine process died (was killed by signal SIGKILL); restarting" in rec.error[1]
@@ -277,7 +299,7 @@ def test_core_death_fails_in_flight_requests_at_once_and_the_core_restarts(demo_
         assert not _alive(first_pid)
         after = submit(loop)
         assert after.done.wait(30) and after.error is None and after.text
-        assert len(starts) == 2 and loop.snapshot.generation_tokens >= 3
+        assert len(starts) == 2 and loop.totals.generation_tokens >= 3
         assert kv_freed(loop)
     finally:
         assert loop.stop(timeout_s=10)

@@ -2,14 +2,14 @@
 
 Started by `core_client.CoreClient` (spawn). The loop takes what the front sent (new requests, aborts) —
 without waiting while there is work, blocking when idle — runs one `engine.step()`, and sends ONE
-message with every request's outputs of that step (and the engine snapshot at most every
-SNAPSHOT_INTERVAL_S, and once more when the engine goes idle). The engine makes no text:
-its outputs are token ids (with logprobs and the finishes max_tokens, EOS, stop tokens and grammars make);
-text and stop strings are the front's, which aborts a request a stop string ended. A step that fails fails the
-requests in flight; an engine that cannot recover says `Broken` and answers every later request with
-an error. The core exits when its parent (Triton's stub) goes away: it checks its parent pid every iteration and
-while it waits (PR_SET_PDEATHSIG would fire when the *thread* that started it ends, and a restart starts
-it from the responder thread).
+message with every request's outputs of that step (and the engine's stats at most every STATS_INTERVAL_S,
+and once more when the engine goes idle: its state, and its counts since the stats sent before). The
+engine's outputs are token ids (with logprobs and the finishes max_tokens,
+EOS, stop tokens and grammars make); text and stop strings are the front's, which aborts a request a stop
+string ended. A step that fails fails the requests in flight; an engine that cannot recover says `Broken`
+and answers every later request with an error. The core exits when its parent (Triton's stub) goes away:
+it checks its parent pid every iteration and while it waits (PR_SET_PDEATHSIG would fire when the *thread*
+that started it ends, and a restart starts it from the responder thread).
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import zmq
 
 from inflight.config import EngineConfig
 from inflight.engine import wire
+from inflight.engine.stats import EngineSnapshot, IterationStats, SchedulerStats
+from inflight.errors import ErrorKind, InvalidRequestError
 from inflight.log import setup as log_setup
-from inflight.sampling_params import InvalidRequestError
 
 log = logging.getLogger("inflight.engine.core")
 
-SNAPSHOT_INTERVAL_S = 0.25
+STATS_INTERVAL_S = 0.25
 IDLE_POLL_MS = 500  # an idle core wakes this often to check that its parent is alive
 
 
@@ -85,9 +86,10 @@ class EngineCore:
         self.active: set[str] = set()
         self.broken: str | None = None
         self.step_log = open(spec.step_log, "a", buffering=1) if spec.step_log else None  # noqa: SIM115
-        self.next_snapshot = 0.0
-        self.max_spread = 0.0  # snapshots skip steps: the largest arrival spread is kept here
-        self.snapshot_sent = False  # the engine's latest state has gone out
+        self.next_stats = 0.0
+        self.max_spread = 0.0  # stats skip steps: the largest arrival spread is kept here
+        self.stats_sent = False  # the engine's latest state has gone out
+        self.counted: EngineSnapshot | None = None  # the snapshot whose counts went out last
         engine = self.engine
         self.send(
             wire.Ready(
@@ -146,19 +148,21 @@ class EngineCore:
                 answer = self.add(message)
                 if answer is not None:
                     answers.append(answer)
-            self.snapshot_sent = False
+            self.stats_sent = False
 
     def add(self, req: wire.AddRequest) -> wire.Output | None:
         if self.broken is not None:
-            return wire.Output.failure(req.request_id, "unavailable", f"the engine is unavailable: {self.broken}")
+            message = f"the engine is unavailable: {self.broken}"
+            return wire.Output.failure(req.request_id, ErrorKind.UNAVAILABLE, message)
         try:
             params = req.sampling_params()
             self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority)
         except InvalidRequestError as e:
-            return wire.Output.failure(req.request_id, "invalid", str(e))
+            return wire.Output.failure(req.request_id, e.kind, str(e), e.field)
         except Exception as e:
             log.error("add_request failed:\n%s", traceback.format_exc())
-            return wire.Output.failure(req.request_id, "internal", f"the engine could not take the request: {e!r}")
+            message = f"the engine could not take the request: {e!r}"
+            return wire.Output.failure(req.request_id, ErrorKind.INTERNAL, message)
         self.active.add(req.request_id)
         return None
 
@@ -168,7 +172,7 @@ class EngineCore:
             outputs = self.engine.step()
         except Exception as e:
             return self.recover(e)
-        self.snapshot_sent = False
+        self.stats_sent = False
         stats = self.engine.last_step_stats
         if stats is not None and self.engine.counters.get("steps") != steps_before:
             self.max_spread = max(self.max_spread, stats.arrival_spread_s)
@@ -187,7 +191,7 @@ class EngineCore:
         """A step failed: fail every request in flight, then try to bring the engine back to empty."""
         log.error("engine step failed:\n%s", traceback.format_exc())
         message = f"the engine failed while running this request: {error!r}"
-        failed = [wire.Output.failure(r, "internal", message) for r in self.active]
+        failed = [wire.Output.failure(r, ErrorKind.INTERNAL, message) for r in self.active]
         active, self.active = self.active, set()
         try:
             for request_id in active:
@@ -205,16 +209,19 @@ class EngineCore:
             return []
 
     def publish(self, outputs: list[wire.Output]) -> None:
-        """One message for the step: its outputs, and the snapshot when due (or when the engine went idle)."""
+        """One message for the step: its outputs, and the stats when due (or when the engine went idle)."""
         now = time.monotonic()
         idle = not self.engine.has_unfinished_requests()
-        snapshot = None
-        if not self.snapshot_sent and (now >= self.next_snapshot or idle):
-            snapshot = dataclasses.replace(self.engine.snapshot(), max_arrival_spread_s=self.max_spread)
-            self.next_snapshot = now + SNAPSHOT_INTERVAL_S
-            self.snapshot_sent = True
-        if outputs or snapshot is not None:
-            self.send(wire.StepOutputs(outputs, snapshot))
+        if not self.stats_sent and (now >= self.next_stats or idle):
+            snapshot = self.engine.snapshot()
+            state = SchedulerStats.of(snapshot, self.max_spread)
+            counts = IterationStats.between(self.counted, snapshot)
+            self.counted = snapshot
+            self.next_stats = now + STATS_INTERVAL_S
+            self.stats_sent = True
+            self.send(wire.StepOutputs(outputs, state, counts))
+        elif outputs:
+            self.send(wire.StepOutputs(outputs))
 
     def log_step(self) -> None:
         stats = self.engine.last_step_stats

@@ -1,9 +1,9 @@
 """What the front and the engine core process say to each other (msgpack via msgspec, over ZMQ).
 
 Front -> core: `AddRequest` and `Abort`. Core -> front: `Ready` once after start, then one `StepOutputs`
-per step (every request's delta of that step, and at most every ~0.25 s the engine's snapshot), and
-`Broken` if the engine cannot go on. Per-step structs are array-like with defaults omitted: small
-and quick to encode.
+per step (every request's delta of that step, and at most every ~0.25 s the engine's stats: its state and
+its counts since the previous stats), and `Broken` if the engine cannot go on. Per-step structs are
+array-like with defaults omitted: small and quick to encode.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pickle
 
 import msgspec
 
-from inflight.engine.stats import EngineSnapshot
+from inflight.engine.stats import IterationStats, SchedulerStats
+from inflight.errors import ErrorKind
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import SamplingParams
 
@@ -60,7 +61,8 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
-    error_kind: str = "invalid"  # "invalid" | "internal" | "unavailable"
+    error_kind: str = "invalid"  # an ErrorKind's value
+    error_field: str | None = None  # the request field at fault
     stop_reason: int | None = None  # the stop token that ended it (stop strings are the front's)
 
     @classmethod
@@ -79,12 +81,21 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
             out.num_cached_tokens,
             out.error,
             out.error_kind,
+            out.error_field,
             out.stop_reason,
         )
 
     @classmethod
-    def failure(cls, request_id: str, kind: str, message: str) -> Output:
-        return cls(request_id, [], finished=True, finish_reason="abort", error=message, error_kind=kind)
+    def failure(cls, request_id: str, kind: ErrorKind, message: str, field: str | None = None) -> Output:
+        return cls(
+            request_id,
+            [],
+            finished=True,
+            finish_reason="abort",
+            error=message,
+            error_kind=kind.value,
+            error_field=field,
+        )
 
     def to_request_output(self, prompt_token_ids: list[int]) -> RequestOutput:
         logprobs = None
@@ -102,6 +113,7 @@ class Output(msgspec.Struct, array_like=True, omit_defaults=True):
             num_output_tokens=self.num_output_tokens,
             error=self.error,
             error_kind=self.error_kind,
+            error_field=self.error_field,
             num_cached_tokens=self.num_cached_tokens,
             stop_reason=self.stop_reason,
         )
@@ -121,7 +133,8 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
 
 class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
     outputs: list[Output]
-    snapshot: EngineSnapshot | None = None
+    scheduler_stats: SchedulerStats | None = None  # the engine's state now
+    iteration_stats: IterationStats | None = None  # counts since the previous message's stats
 
 
 class Broken(msgspec.Struct, array_like=True, tag=True):

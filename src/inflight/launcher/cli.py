@@ -147,12 +147,6 @@ def _add_openai(sub) -> None:
         help="checkpoint directory or GGUF file for the chat template and tokenizer (default: the Triton model's "
         "`model` parameter, or SmolLM2-135M-Instruct, the default model)",
     )
-    p.add_argument(
-        "--metrics-url",
-        default=None,
-        help="Triton's metrics endpoint, where the model publishes its KV cache capacity, which caps the default "
-        "max_tokens (default: http://<triton host>:8002/metrics; 'none': not read)",
-    )
     _add_openai_limits(p, "--")
     p.set_defaults(func=_openai)
 
@@ -210,10 +204,8 @@ def _openai_limits(ns: argparse.Namespace):
 def _openai(ns: argparse.Namespace) -> int:
     from inflight.serving.openai.server import run
 
-    metrics_url = ns.metrics_url or f"http://{ns.triton_url.rpartition(':')[0] or 'localhost'}:8002/metrics"
     run(ns.triton_url, ns.port, ns.host, model=ns.triton_model, served_model_name=ns.served_model_name,
-        model_dir=ns.model, metrics_url=None if metrics_url == "none" else metrics_url,
-        limits=_openai_limits(ns))  # fmt: skip
+        model_dir=ns.model, limits=_openai_limits(ns))  # fmt: skip
     return 0
 
 

@@ -142,8 +142,6 @@ class Cluster:
                         "dynamo-worker",
                         "--triton-url",
                         r.grpc_url,
-                        "--metrics-url",
-                        r.metrics_url,
                         "--namespace",
                         self.namespace,
                         "--kv-events-endpoint",
@@ -165,8 +163,6 @@ class Cluster:
                             str(r.openai_port),
                             "--host",
                             LOOPBACK,
-                            "--metrics-url",
-                            r.metrics_url,
                         ],
                     )
             self.frontend = self._spawn(

@@ -89,7 +89,7 @@ def _start_api(server: TritonServer, port: int, host: str, model_dir: str | None
     from inflight.serving.openai import OpenAIServer
 
     try:
-        api = OpenAIServer(server.grpc_url, port, host, model_dir=model_dir, metrics_url=server.metrics_url).start()
+        api = OpenAIServer(server.grpc_url, port, host, model_dir=model_dir).start()
     except RuntimeError as e:
         raise LauncherError(str(e)) from None
     say(f"OpenAI-compatible API on {api.url}/v1")

@@ -2,7 +2,8 @@
 frontend and vLLM-backend clients work unchanged.
 
 Request decode (tensors -> `DecodedRequest`, raising InvalidRequestError naming the field) and response
-encode (text delta + optional outputs -> `InferenceResponse`). Needs `triton_python_backend_utils`, so it
+encode (text delta + optional outputs -> `InferenceResponse`; an error's kind and field as the tag of its
+message, `inflight.errors.tag_message`). Needs `triton_python_backend_utils`, so it
 is imported inside Triton's Python-backend stub only.
 """
 
@@ -15,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from inflight.errors import ErrorKind, InvalidRequestError, tag_message
 from inflight.outputs import TokenLogprob
-from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.sampling_params import SamplingParams
 
 RETURN_FLAGS = {
     "return_finish_reason": "finish_reason",
@@ -49,20 +51,21 @@ def decode_request(request, max_json_bytes: int = 256 << 10, max_json_depth: int
     prompt_token_ids = None
     if ids_tensor is not None:
         if pb_utils.get_input_tensor_by_name(request, "text_input") is not None:
-            raise InvalidRequestError("input_ids and text_input are both given: send one prompt")
+            raise InvalidRequestError("input_ids and text_input are both given: send one prompt", "input_ids")
         prompt_token_ids = [int(t) for t in ids_tensor.as_numpy().reshape(-1)]
         if not prompt_token_ids:
-            raise InvalidRequestError("input_ids is empty: give at least one token id")
+            raise InvalidRequestError("input_ids is empty: give at least one token id", "input_ids")
         prompt = ""
     else:
         prompt = _text(request, "text_input", required=True)
         if prompt == "":
-            raise InvalidRequestError("text_input is empty: give a prompt of at least one character")
+            raise InvalidRequestError("text_input is empty: give a prompt of at least one character", "text_input")
     stream = _flag(request, "stream", False)
     exclude = _flag(request, "exclude_input_in_output", None)
     if stream and exclude is False:
         raise InvalidRequestError(
-            "exclude_input_in_output=false is not allowed with stream=true (a stream carries only new text)"
+            "exclude_input_in_output=false is not allowed with stream=true (a stream carries only new text)",
+            "exclude_input_in_output",
         )
     params = _sampling_params(request, max_json_bytes, max_json_depth)
     returns = frozenset(out for flag, out in RETURN_FLAGS.items() if _flag(request, flag, False))
@@ -83,18 +86,18 @@ def _sampling_params(request, max_bytes: int, max_depth: int) -> SamplingParams:
     except InvalidRequestError:
         raise
     except (TypeError, ValueError) as e:  # a value of a shape the field checks did not expect
-        raise InvalidRequestError(f"sampling_parameters is invalid: {e}") from None
+        raise InvalidRequestError(f"sampling_parameters is invalid: {e}", "sampling_parameters") from None
 
 
 def _text(request, name: str, required: bool) -> str | None:
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     if tensor is None:
         if required:
-            raise InvalidRequestError(f"{name} is missing: it is required (a STRING tensor of shape [1])")
+            raise InvalidRequestError(f"{name} is missing: it is required (a STRING tensor of shape [1])", name)
         return None
     values = tensor.as_numpy().reshape(-1)
     if values.size != 1:
-        raise InvalidRequestError(f"{name} has {values.size} elements: it must have exactly 1")
+        raise InvalidRequestError(f"{name} has {values.size} elements: it must have exactly 1", name)
     value = values[0]
     if isinstance(value, str):
         return value
@@ -102,7 +105,7 @@ def _text(request, name: str, required: bool) -> str | None:
         return bytes(value).decode("utf-8")
     except UnicodeDecodeError as e:
         raise InvalidRequestError(
-            f"{name} is not valid UTF-8: byte {bytes(value)[e.start : e.start + 1]!r} at offset {e.start}"
+            f"{name} is not valid UTF-8: byte {bytes(value)[e.start : e.start + 1]!r} at offset {e.start}", name
         ) from None
 
 
@@ -114,9 +117,19 @@ def _flag(request, name: str, default: bool | None) -> bool | None:
 # ---- responses -----------------------------------------------------------------------------------
 
 
-def error_response(message: str, code_name: str):
-    """`code_name`: a `pb_utils.TritonError` code (INVALID_ARG, INTERNAL, UNAVAILABLE, CANCELLED)."""
-    return pb_utils.InferenceResponse(error=pb_utils.TritonError(message, getattr(pb_utils.TritonError, code_name)))
+_TRITON_CODES = {
+    ErrorKind.INVALID: "INVALID_ARG",
+    ErrorKind.LIMIT: "INVALID_ARG",
+    ErrorKind.UNAVAILABLE: "UNAVAILABLE",
+    ErrorKind.INTERNAL: "INTERNAL",
+    ErrorKind.CANCELLED: "CANCELLED",
+}
+
+
+def error_response(kind: ErrorKind, message: str, field: str | None = None):
+    """A Triton error of the kind's code whose message carries the kind and the field as its tag."""
+    code = getattr(pb_utils.TritonError, _TRITON_CODES[kind])
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(tag_message(kind, field, message), code))
 
 
 def _tensor(name: str, values: list, dtype) -> object:

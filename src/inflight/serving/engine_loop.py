@@ -7,9 +7,9 @@ processor on them (text and stop strings: a request a stop string ended finishes
 core, and the tokens the core made after the stop never reach its client), turns outputs into responses
 (merging a request's outputs that queued up while it was busy, vLLM's stream_interval idea applied only
 under load), polls cancellation every `cancel_interval_s` and tells the core to abort (which frees the
-blocks as soon as it sees it), and publishes metrics from the core's latest snapshot at most every
-`metrics_interval_s`. Every call into a `Client` comes from the responder, so a client is never entered
-by two threads.
+blocks as soon as it sees it), and publishes metrics at most every `metrics_interval_s`: the core's latest
+state and the counts it sent since the last publication (deltas: a restarted core's simply add on).
+Every call into a `Client` comes from the responder, so a client is never entered by two threads.
 
 If the core process dies, every request in flight is failed at once (UNAVAILABLE), new ones are refused
 while the core restarts (at most `max_restarts` within `restart_window_s`, with backoff); past that the
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import logging
 import threading
 import time
@@ -32,24 +31,18 @@ from typing import Protocol
 from inflight.engine import wire
 from inflight.engine.core import CoreSpec
 from inflight.engine.core_client import CoreClient, CoreError
+from inflight.engine.stats import IterationStats, SchedulerStats
 from inflight.engine.validation import check_params, tokenize_prompt
-from inflight.engine.stats import EngineSnapshot
+from inflight.errors import ErrorKind, InvalidRequestError
 from inflight.models.loader import load_tokenizer
 from inflight.outputs import RequestOutput, merge_outputs
-from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.sampling_params import SamplingParams
 from inflight.text.output_processor import RequestState, process_outputs
 
 log = logging.getLogger("inflight.serving.engine_loop")
 
 
-class ErrorKind(enum.Enum):
-    INVALID = "invalid"  # the user's request is wrong
-    INTERNAL = "internal"  # the engine failed
-    UNAVAILABLE = "unavailable"  # shutting down, restarting, or the engine is broken
-    CANCELLED = "cancelled"
-
-
-_CORE_ERROR_KINDS = {"invalid": ErrorKind.INVALID, "internal": ErrorKind.INTERNAL, "unavailable": ErrorKind.UNAVAILABLE}
+__all__ = ["Client", "EngineLoop", "ErrorKind", "Submission"]
 
 
 class Client(Protocol):
@@ -59,7 +52,8 @@ class Client(Protocol):
 
     def on_output(self, output: RequestOutput) -> None: ...
 
-    def on_error(self, kind: ErrorKind, message: str) -> None: ...
+    def on_error(self, kind: ErrorKind, message: str, field: str | None = None) -> None:
+        """The request's last word: `field` is the request field at fault, if one is."""
 
 
 @dataclass
@@ -70,6 +64,10 @@ class Submission:
     client: Client
     priority: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+
+
+# A failed request's answer: kind, message, request field at fault.
+Failure = tuple[ErrorKind, str, "str | None"]
 
 
 class _Route:
@@ -85,6 +83,12 @@ class _Route:
         self.state = state
         self.ended = False
 
+    def fail(self, kind: ErrorKind, message: str, field: str | None = None) -> None:
+        """End the request with an error, unless it has been answered finally already."""
+        if not self.ended:
+            self.ended = True
+            _notify(self.client, kind, message, field)
+
 
 # The restart bound: a core that dies more than MAX_RESTARTS times within RESTART_WINDOW_S is not restarted
 # again (a crash loop); the k-th restart in the window waits RESTART_BACKOFF_S * 2**(k-1) first.
@@ -92,16 +96,12 @@ MAX_RESTARTS = 3
 RESTART_WINDOW_S = 60.0
 RESTART_BACKOFF_S = 0.5
 
-_COUNTERS = ("steps", "prompt_tokens", "generation_tokens", "num_preemptions", "prefix_cache_queries",
-             "prefix_cache_hits", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-             "spec_decode_num_accepted_tokens")  # fmt: skip
-
 
 class EngineLoop:
     def __init__(
         self,
         spec: CoreSpec,
-        on_iteration: Callable[[EngineSnapshot], None] | None = None,
+        on_iteration: Callable[[SchedulerStats, IterationStats], None] | None = None,
         on_broken: Callable[[str], None] | None = None,
         cancel_interval_s: float = 0.05,
         metrics_interval_s: float = 0.5,
@@ -110,7 +110,8 @@ class EngineLoop:
         restart_window_s: float = RESTART_WINDOW_S,
         restart_backoff_s: float = RESTART_BACKOFF_S,
     ) -> None:
-        """`on_iteration(snapshot)` publishes metrics (at most every metrics_interval_s); `on_broken(reason)`
+        """`on_iteration(state, counts)` publishes metrics (at most every metrics_interval_s; `counts` since its
+        previous call); `on_broken(reason)`
         is called once when the engine cannot serve again; `on_core_start(ready)` after each (re)start.
         All three from the responder thread (the first start's from start())."""
         self.spec = spec
@@ -130,9 +131,10 @@ class EngineLoop:
         self._active: dict[str, _Route] = {}
         self._unavailable: str | None = None  # why new requests are refused now (restarting)
         self._broken: str | None = None
-        self._snapshot: EngineSnapshot | None = None
-        self._published: EngineSnapshot | None = None
-        self._base: EngineSnapshot | None = None  # counters of the cores before this one
+        self.scheduler_stats: SchedulerStats | None = None  # the core's latest state (responder only)
+        self.totals = IterationStats()  # every count of every core so far (responder only)
+        self._unpublished = IterationStats()  # counts not yet given to on_iteration
+        self._published: SchedulerStats | None = None
         self._stopping = threading.Event()
         self._responder = threading.Thread(target=self._respond, name="inflight-responder", daemon=True)
 
@@ -145,11 +147,6 @@ class EngineLoop:
     @property
     def core_pid(self) -> int | None:
         return self.info.pid if self.info is not None else None
-
-    @property
-    def snapshot(self) -> EngineSnapshot | None:
-        """The latest engine snapshot (counters summed over restarts)."""
-        return self._snapshot
 
     def tokenize(self, prompt: str) -> list[int]:
         """Prompt text -> token ids under the engine's bounds (InvalidRequestError). Thread-safe."""
@@ -165,7 +162,7 @@ class EngineLoop:
         try:
             prompt = self.tokenize(sub.prompt) if isinstance(sub.prompt, str) else list(sub.prompt)
         except InvalidRequestError as e:
-            _safe(sub.client.on_error, ErrorKind.INVALID, str(e))
+            _notify(sub.client, e.kind, str(e), e.field)
             return
         route = _Route(sub.request_id, sub.client, prompt, RequestState(self.tokenizer, prompt, sub.params))
         with self._lock:
@@ -174,7 +171,7 @@ class EngineLoop:
                 self._active[sub.request_id] = route
                 self._core.add(wire.AddRequest.make(sub.request_id, prompt, sub.params, sub.arrival_time, sub.priority))
         if reason is not None:
-            _safe(sub.client.on_error, ErrorKind.UNAVAILABLE, reason)
+            _notify(sub.client, ErrorKind.UNAVAILABLE, reason)
 
     def _refusal(self) -> str | None:
         if self._stopping.is_set():
@@ -219,9 +216,7 @@ class EngineLoop:
             self._unavailable = reason
             routes, self._active = self._active, {}
         for route in routes.values():
-            if not route.ended:
-                route.ended = True
-                _safe(route.client.on_error, ErrorKind.UNAVAILABLE, reason)
+            route.fail(ErrorKind.UNAVAILABLE, reason)
         core.close()
         self._forget_core()
         now = time.monotonic()
@@ -246,28 +241,9 @@ class EngineLoop:
                 failures += 1
 
     def _forget_core(self) -> None:
-        """The dead core's counters become the base of the next one's; its gauges go to idle."""
-        snap = self._snapshot
-        if snap is None:
-            return
-        self._base = snap
-        total = snap.num_kv_blocks_used + snap.num_kv_blocks_free
-        self._snapshot = dataclasses.replace(
-            snap, num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_free=total, num_kv_blocks_cached=0
-        )
-
-    def _rebase(self, snap: EngineSnapshot) -> EngineSnapshot:
-        base = self._base
-        if base is None:
-            return snap
-        old, new = base.spec_decode_num_accepted_tokens_per_pos, snap.spec_decode_num_accepted_tokens_per_pos
-        n = max(len(old), len(new))
-        per_pos = tuple((old[i] if i < len(old) else 0) + (new[i] if i < len(new) else 0) for i in range(n))
-        return dataclasses.replace(
-            snap,
-            **{k: getattr(base, k) + getattr(snap, k) for k in _COUNTERS},
-            spec_decode_num_accepted_tokens_per_pos=per_pos,
-        )
+        """A dead core holds nothing: its gauges go to idle (its counts were added up as they came)."""
+        if self.scheduler_stats is not None:
+            self.scheduler_stats = self.scheduler_stats.idle()
 
     def _set_broken(self, reason: str) -> None:
         if self._broken is not None:
@@ -277,9 +253,7 @@ class EngineLoop:
             self._broken = reason
             routes, self._active = self._active, {}
         for route in routes.values():
-            if not route.ended:
-                route.ended = True
-                _safe(route.client.on_error, ErrorKind.UNAVAILABLE, f"the engine is unavailable: {reason}")
+            route.fail(ErrorKind.UNAVAILABLE, f"the engine is unavailable: {reason}")
         if self._on_broken is not None:
             _safe(self._on_broken, reason)
 
@@ -314,26 +288,27 @@ class EngineLoop:
             with self._lock:
                 routes, self._active = self._active, {}
             for route in routes.values():
-                if not route.ended:
-                    route.ended = True
-                    _safe(route.client.on_error, ErrorKind.UNAVAILABLE, "the model is shutting down")
+                route.fail(ErrorKind.UNAVAILABLE, "the model is shutting down")
             self._publish()
 
-    def _take(self, messages: list) -> list[tuple[_Route, RequestOutput | tuple[ErrorKind, str]]]:
-        """The core's messages -> (route, output or error) in order; routes of finished requests leave."""
+    def _take(self, messages: list) -> list[tuple[_Route, RequestOutput | Failure]]:
+        """The core's messages -> (route, output or failure) in order; routes of finished requests leave."""
         items = []
         for message in messages:
             if isinstance(message, wire.StepOutputs):
-                if message.snapshot is not None:
-                    self._snapshot = self._rebase(message.snapshot)
-                    if _idle(self._snapshot) != _idle(self._published):  # work began or ended: publish now
+                if message.iteration_stats is not None:
+                    self.totals += message.iteration_stats
+                    self._unpublished += message.iteration_stats
+                if message.scheduler_stats is not None:
+                    self.scheduler_stats = message.scheduler_stats
+                    if _idle(self.scheduler_stats) != _idle(self._published):  # work began or ended: publish now
                         self._publish()
                 items += self._process(message.outputs)
             elif isinstance(message, wire.Broken):
                 self._set_broken(message.reason)
         return items
 
-    def _process(self, outputs: list[wire.Output]) -> list[tuple[_Route, RequestOutput | tuple[ErrorKind, str]]]:
+    def _process(self, outputs: list[wire.Output]) -> list[tuple[_Route, RequestOutput | Failure]]:
         """One step's outputs through the output processor; a request it finished (a stop string) the core
         aborts, which frees its blocks. Outputs of requests that ended earlier (cancelled, failed, stopped) go."""
         live = [(route, out) for out in outputs if (route := self._active.get(out.request_id)) is not None]
@@ -349,7 +324,7 @@ class EngineLoop:
                 for route in routes:
                     self._active.pop(route.request_id, None)
                 self._core.abort([out.request_id for out in outs if not out.finished])
-            return [(route, (ErrorKind.INTERNAL, f"detokenizing failed: {e!r}")) for route in routes]
+            return [(route, (ErrorKind.INTERNAL, f"detokenizing failed: {e!r}", None)) for route in routes]
         items = []
         with self._lock:
             for out in processed.request_outputs:
@@ -358,18 +333,16 @@ class EngineLoop:
             self._core.abort(processed.reqs_to_abort)
         for route, out in zip(routes, processed.request_outputs):
             if out.error is not None:
-                items.append((route, (_CORE_ERROR_KINDS.get(out.error_kind, ErrorKind.INTERNAL), out.error)))
+                items.append((route, (ErrorKind(out.error_kind), out.error, out.error_field)))
             else:
                 items.append((route, out))
         return items
 
     def _fail_items(self, items: list) -> None:
         for route, item in items:
-            if not route.ended:
-                route.ended = True
-                if isinstance(item, RequestOutput) and not item.finished:
-                    self._abort(route)
-                _safe(route.client.on_error, ErrorKind.INTERNAL, "sending a response failed; see the log")
+            if not route.ended and isinstance(item, RequestOutput) and not item.finished:
+                self._abort(route)
+            route.fail(ErrorKind.INTERNAL, "sending a response failed; see the log")
 
     def _deliver(self, batch: list) -> None:
         """Send a batch of items, one response per request: its outputs merged, then any error."""
@@ -384,9 +357,7 @@ class EngineLoop:
                 continue
             if key in pending:  # an error after outputs: the outputs go first
                 self._send(*pending.pop(key))
-            if not route.ended:
-                route.ended = True
-                _safe(route.client.on_error, *item)
+            route.fail(*item)
         for route, out in pending.values():
             if not route.ended:
                 self._send(route, out)
@@ -397,10 +368,9 @@ class EngineLoop:
         except Exception as e:
             # Final or not, the request must still end: answer it with an error (its last chance).
             log.error("sending a response failed:\n%s", traceback.format_exc())
-            route.ended = True
             if not out.finished:
                 self._abort(route)
-            _safe(route.client.on_error, ErrorKind.INTERNAL, f"sending a response failed: {e!r}")
+            route.fail(ErrorKind.INTERNAL, f"sending a response failed: {e!r}")
             return
         if out.finished:
             route.ended = True
@@ -420,9 +390,8 @@ class EngineLoop:
             except Exception:  # the sender is gone: nobody to answer, free the blocks
                 gone = True
             if gone:
-                route.ended = True
                 cancelled.append(route.request_id)
-                _safe(route.client.on_error, ErrorKind.CANCELLED, "the request was cancelled")
+                route.fail(ErrorKind.CANCELLED, "the request was cancelled")
         if cancelled:
             with self._lock:
                 for request_id in cancelled:
@@ -430,14 +399,19 @@ class EngineLoop:
                 self._core.abort(cancelled)
 
     def _publish(self) -> None:
-        snap = self._snapshot
-        if self._on_iteration is not None and snap is not None and snap is not self._published:
-            self._published = snap
-            _safe(self._on_iteration, snap)
+        state, counts = self.scheduler_stats, self._unpublished
+        if self._on_iteration is None or state is None or (state is self._published and not counts):
+            return
+        self._published, self._unpublished = state, IterationStats()
+        _safe(self._on_iteration, state, counts)
 
 
-def _idle(snap: EngineSnapshot | None) -> bool:
-    return snap is None or (snap.num_running == 0 and snap.num_waiting == 0)
+def _idle(state: SchedulerStats | None) -> bool:
+    return state is None or (state.num_running == 0 and state.num_waiting == 0)
+
+
+def _notify(client: Client, kind: ErrorKind, message: str, field: str | None = None) -> None:
+    _safe(client.on_error, kind, message, field)
 
 
 def _safe(fn: Callable, *args) -> None:

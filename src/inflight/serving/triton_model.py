@@ -21,24 +21,18 @@ import triton_python_backend_utils as pb_utils
 from inflight.coerce import field_types, parse_scalar, type_name
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.core import CoreSpec
+from inflight.errors import ErrorKind, InvalidRequestError
 from inflight.log import setup as log_setup
 from inflight.model_source import ModelSourceError, resolve_model
 from inflight.outputs import RequestOutput, TokenLogprob
-from inflight.sampling_params import InvalidRequestError
 from inflight.serving.codec import DecodedRequest, ResponseDelta, decode_request, encode_response, error_response
-from inflight.serving.engine_loop import EngineLoop, ErrorKind, Submission
+from inflight.serving.engine_loop import EngineLoop, Submission
 from inflight.serving.metrics import TritonMetrics
 
 log = logging.getLogger("inflight.server")
 
 # The rest of config.pbtxt's parameters are EngineConfig fields.
 SERVER_PARAMETERS = ("model", "step_log", "stream_interval")
-_ERROR_CODES = {
-    ErrorKind.INVALID: "INVALID_ARG",
-    ErrorKind.INTERNAL: "INTERNAL",
-    ErrorKind.UNAVAILABLE: "UNAVAILABLE",
-    ErrorKind.CANCELLED: "CANCELLED",
-}
 
 
 # ---- model settings (config.pbtxt parameters) --------------------------------------------------------
@@ -142,13 +136,11 @@ class ResponseWriter:
         elif self.req.stream and out.new_text and (not self._sent or self._num_tokens >= self.stream_interval):
             self._send(out, final=False)
 
-    def on_error(self, kind: ErrorKind, message: str) -> None:
+    def on_error(self, kind: ErrorKind, message: str, field: str | None = None) -> None:
         if self.done:
             return
         self.done = True
-        self.sender.send(
-            error_response(message, _ERROR_CODES[kind]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-        )
+        self.sender.send(error_response(kind, message, field), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         self.request = None
 
     def _send(self, out: RequestOutput, final: bool) -> None:
@@ -205,7 +197,7 @@ class TritonPythonModel:
         self.stream_interval = settings.stream_interval
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = _make_metrics(labels)
-        on_iteration = self.metrics.update if self.metrics is not None else None
+        on_iteration = self.metrics.update if self.metrics is not None else None  # (state, counts)
         on_core_start = self.metrics.core_started if self.metrics is not None else None
         self.model_name = args["model_name"]
         spec = CoreSpec(settings.model_dir, settings.engine_config, self.engine_class, settings.step_log)
@@ -235,7 +227,7 @@ class TritonPythonModel:
                 else:
                     prompt_token_ids = self.loop.tokenize(decoded.prompt)
             except InvalidRequestError as e:
-                self._reject(request, ErrorKind.INVALID, str(e))
+                self._reject(request, e.kind, str(e), e.field)
                 continue
             except Exception as e:  # a decoding bug must not take down the whole batch of requests
                 log.exception("decoding a request failed")
@@ -264,9 +256,9 @@ class TritonPythonModel:
         threading.Thread(target=unload, name="inflight-unload", daemon=True).start()
 
     @staticmethod
-    def _reject(request, kind: ErrorKind, message: str) -> None:
+    def _reject(request, kind: ErrorKind, message: str, field: str | None = None) -> None:
         request.get_response_sender().send(
-            error_response(message, _ERROR_CODES[kind]), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+            error_response(kind, message, field), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         )
 
     def finalize(self) -> None:

@@ -1,8 +1,7 @@
 """`inflight dynamo-worker`: one Triton replica registered with NVIDIA Dynamo as a token-in, token-out
 `LLMEngine` (dynamo.common.backend), with the replica's KV events as its `ZmqSource`.
 
-    inflight dynamo-worker --triton-url 127.0.0.1:8001 --metrics-url http://127.0.0.1:8002/metrics \\
-        --discovery-backend file --request-plane tcp --event-plane zmq
+    inflight dynamo-worker --triton-url 127.0.0.1:8001 --discovery-backend file --request-plane tcp --event-plane zmq
 
 Needs the optional Dynamo install (scripts/install_dynamo.sh). The worker exits when its tritonserver stays
 unreachable for `--exit-after-unready` seconds: Dynamo then drops it from discovery and routes elsewhere.
@@ -16,9 +15,7 @@ import contextlib
 import json
 import logging
 import os
-import re
 import signal
-import urllib.request
 from collections.abc import AsyncGenerator
 from pathlib import Path
 
@@ -30,6 +27,7 @@ from dynamo.common.backend.worker import WorkerConfig
 from dynamo.llm import ModelInput
 from dynamo.llm.exceptions import InvalidArgument, WorkerUnavailable
 
+from inflight.limits import ModelLimits
 from inflight.model_source import ModelSourceError, resolve_model
 from inflight.serving.dynamo.request import finish_reason, router_endpoint, sampling_parameters, usage
 from inflight.serving.openai.triton_stream import ModelError, TritonLLM, TritonUnavailable
@@ -41,7 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inflight dynamo-worker", description=__doc__.splitlines()[0])
     p.add_argument("--triton-url", default="127.0.0.1:8001", help="the replica's tritonserver gRPC address")
     p.add_argument("--triton-model", default="llm")
-    p.add_argument("--metrics-url", default=None, help="the replica's Triton metrics (KV block count); 'none' = skip")
     p.add_argument(
         "--model",
         default=None,
@@ -131,8 +128,9 @@ class TritonReplicaEngine(LLMEngine):
         del worker_id
         self.llm = TritonLLM(self.ns.triton_url, self.ns.triton_model)
         params = self.params
-        block_size = int(params.get("block_size") or 16)
-        self.context_length = _int(params.get("max_model_len")) or _checkpoint_context_length(self.ns.model)
+        # The replica's limits as its config publishes them; the KV capacity where num_kv_blocks is set.
+        limits = ModelLimits.from_parameters(params, _checkpoint_context_length(self.ns.model))
+        self.context_length = limits.max_model_len
         endpoint = self.ns.kv_events_endpoint
         if endpoint is None:
             found = router_endpoint(params.get("kv_events_config"))
@@ -144,10 +142,6 @@ class TritonReplicaEngine(LLMEngine):
             log.warning("the replica publishes no KV events: the KV router can only approximate what it caches")
         else:
             log.info("relaying the replica's KV events from %s", self.kv_source.endpoint)
-        total_blocks = None
-        capacity = _metric(self._metrics_url(), "inflight_kv_cache_capacity_tokens")
-        if capacity is not None:
-            total_blocks = int(capacity) // block_size
         if self.ns.exit_after_unready > 0:
             self._watch = asyncio.get_running_loop().create_task(self._watch_replica())
         return EngineConfig(
@@ -155,20 +149,12 @@ class TritonReplicaEngine(LLMEngine):
             served_model_name=self.ns.served_model_name,
             llm=LlmRegistration(
                 context_length=self.context_length,
-                kv_cache_block_size=block_size,
-                total_kv_blocks=total_blocks,
-                max_num_seqs=_int(params.get("max_num_seqs")),
-                max_num_batched_tokens=_int(params.get("max_num_batched_tokens")),
+                kv_cache_block_size=limits.block_size or 16,
+                total_kv_blocks=limits.num_kv_blocks,
+                max_num_seqs=limits.max_num_seqs,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
             ),
         )
-
-    def _metrics_url(self) -> str | None:
-        if self.ns.metrics_url == "none":
-            return None
-        if self.ns.metrics_url:
-            return self.ns.metrics_url
-        host = self.ns.triton_url.rpartition(":")[0] or "127.0.0.1"
-        return f"http://{host}:8002/metrics"
 
     async def kv_event_sources(self) -> list[KvEventSource]:
         return [self.kv_source] if self.kv_source is not None else []
@@ -218,7 +204,9 @@ class TritonReplicaEngine(LLMEngine):
                 if out.final:
                     return
         except ModelError as e:
-            raise InvalidArgument(e.message) from None
+            if e.kind.is_users:
+                raise InvalidArgument(e.message) from None
+            raise RuntimeError(e.message) from None  # the replica's engine failed: an internal error
         except TritonUnavailable as e:
             self._suspect.set()  # check the replica now rather than at the next poll
             # Dynamo's frontend may move the request to another worker (its --migration-limit).
@@ -279,31 +267,12 @@ async def _pump(stream: AsyncGenerator, queue: asyncio.Queue) -> None:
         queue.put_nowait(e)
 
 
-def _int(text: str | None) -> int | None:
-    try:
-        return int(text) if text not in (None, "") else None
-    except ValueError:
-        return None
-
-
 def _checkpoint_context_length(model: str) -> int | None:
     path = Path(model) / "config.json"
     try:
         return int(json.loads(path.read_text()).get("max_position_embeddings"))
     except (OSError, ValueError, TypeError):
         return None
-
-
-def _metric(url: str | None, name: str) -> float | None:
-    if not url:
-        return None
-    try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return None
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else None
 
 
 def main(argv: list[str] | None = None) -> int:

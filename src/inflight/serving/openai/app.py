@@ -18,7 +18,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from inflight.serving.openai.guard import FrontLimits, Guard, default_limits, resolve_api_key
-from inflight.serving.openai.protocol import MODEL_FIELDS, ChatCompletionRequest, CompletionRequest
+from inflight.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
 from inflight.serving.openai.served_model import ServedModel
 from inflight.serving.openai.serving_chat import OpenAIServingChat
 from inflight.serving.openai.serving_completion import OpenAIServingCompletion
@@ -58,7 +58,6 @@ def create_app(
     model: str = "llm",
     served_model_name: str | None = None,
     model_dir: str | Path | None = None,
-    metrics_url: str | None = None,
     limits: FrontLimits | None = None,
     api_key: str | None = None,
 ) -> FastAPI:
@@ -66,14 +65,12 @@ def create_app(
 
     model_dir: the checkpoint whose chat template and tokenizer to use; default: the `model` parameter of
     the Triton model's config (the same machine), or the embedded demo model when that is empty.
-    metrics_url: Triton's Prometheus endpoint, where the model publishes its KV cache capacity (caps the
-    default max_tokens of chat requests); None: not read.
     limits: the front's bounds (guard.py; default: `default_limits()`). api_key: required as a Bearer token on
     /v1/* (default: limits.api_key, else $INFLIGHT_API_KEY, else $VLLM_API_KEY; none of them: no key).
     """
     limits = limits or default_limits()
-    llm = TritonLLM(triton_url, model, MODEL_FIELDS, stream_timeout_s=limits.stream_timeout_s)
-    served = ServedModel(llm, served_model_name or model, model_dir, metrics_url)
+    llm = TritonLLM(triton_url, model, stream_timeout_s=limits.stream_timeout_s)
+    served = ServedModel(llm, served_model_name or model, model_dir)
     serving_chat = OpenAIServingChat(served)
     serving_completion = OpenAIServingCompletion(served)
 

@@ -1,5 +1,5 @@
 """The served model as both endpoints see it: its Triton client, its name, its prompt renderer and the limits
-its config and metrics publish (read once, on first use)."""
+its config publishes (read once, on first use)."""
 
 from __future__ import annotations
 
@@ -10,43 +10,26 @@ import time
 from pathlib import Path
 from typing import Any
 
+from inflight.limits import ModelLimits
 from inflight.serving.openai.protocol import RequestError
 from inflight.serving.openai.renderer import PromptRenderer
 from inflight.serving.openai.triton_stream import TritonLLM
-from inflight.serving.prometheus_text import matching, scrape
 
 log = logging.getLogger(__name__)
 
 
-def kv_capacity(metrics_url: str, model: str) -> int | None:
-    """The model's `inflight_kv_cache_capacity_tokens` from Triton's Prometheus endpoint."""
-    try:
-        samples = scrape(metrics_url)
-    except (OSError, ValueError) as e:
-        log.warning("cannot read %s (%s): the default max_tokens is not capped by the KV cache", metrics_url, e)
-        return None
-    found = matching(samples, "inflight_kv_cache_capacity_tokens", model=model)
-    if not found:
-        log.warning("%s has no inflight_kv_cache_capacity_tokens for model %r", metrics_url, model)
-        return None
-    return int(found[0])
-
-
 class ServedModel:
-    """Shared by the endpoints: the Triton client, the served name, and what the model's config, checkpoint
-    and metrics say (read on first use)."""
+    """Shared by the endpoints: the Triton client, the served name, and what the model's config and checkpoint
+    say (read on first use)."""
 
-    def __init__(
-        self, llm: TritonLLM, served_model_name: str, model_dir: str | Path | None, metrics_url: str | None = None
-    ) -> None:
+    def __init__(self, llm: TritonLLM, served_model_name: str, model_dir: str | Path | None) -> None:
         self.llm = llm
         self.served_model_name = served_model_name
         self.model_dir = Path(model_dir) if model_dir else None
-        self.metrics_url = metrics_url
         self.created = int(time.time())
         self._renderer: PromptRenderer | None = None
-        self.kv_capacity: int | None = None  # tokens; the model's metrics say, if reachable
-        self.max_prompt_bytes: int | None = None  # the model's bound on prompt text (its config), if known
+        self.limits: ModelLimits | None = None  # the model's config's, with the checkpoint's context length
+        self.max_prompt_bytes: int | None = None  # the model's bound on prompt text, if known
         self._lock = asyncio.Lock()
 
     async def renderer(self) -> PromptRenderer:
@@ -55,19 +38,12 @@ class ServedModel:
         async with self._lock:
             if self._renderer is None:
                 params = await self.llm.parameters()  # raises TritonUnavailable
-                max_len = params.get("max_model_len", "")
-                max_bytes = params.get("max_prompt_bytes", "")
+                configured = ModelLimits.from_parameters(params)
                 model_dir = self.model_dir or (Path(params["model"]) if params.get("model") else None)
-                if self.metrics_url:
-                    self.kv_capacity = await asyncio.to_thread(kv_capacity, self.metrics_url, self.llm.model)
                 # No model: the default one (SmolLM2's GGUF), "demo": the demo checkpoint; the same bytes here.
-                renderer = await asyncio.to_thread(
-                    PromptRenderer.resolve, model_dir, int(max_len) if max_len.strip().isdigit() else None
-                )
-                if max_bytes.strip().isdigit():
-                    self.max_prompt_bytes = int(max_bytes)
-                elif renderer.max_model_len:  # the engine's default
-                    self.max_prompt_bytes = 16 * renderer.max_model_len
+                renderer = await asyncio.to_thread(PromptRenderer.resolve, model_dir, configured.max_model_len)
+                self.limits = ModelLimits.from_parameters(params, renderer.max_model_len)
+                self.max_prompt_bytes = self.limits.max_prompt_bytes
                 self._renderer = renderer
         return self._renderer
 
@@ -106,10 +82,9 @@ class ServedModel:
                     "prompt",
                 )
 
-    def default_max_tokens(self, renderer: PromptRenderer, num_prompt_tokens: int | None) -> int | None:
+    def default_max_tokens(self, num_prompt_tokens: int | None) -> int | None:
         """OpenAI's default: the rest of the context, which is also capped by what the KV cache holds
         (the engine rejects a request that could never fit)."""
-        limits = [n for n in (renderer.max_model_len, self.kv_capacity) if n]
-        if not limits or num_prompt_tokens is None or num_prompt_tokens >= min(limits):
+        if self.limits is None or num_prompt_tokens is None:
             return None
-        return min(limits) - num_prompt_tokens
+        return self.limits.max_tokens_after(num_prompt_tokens)

@@ -44,14 +44,13 @@ class OpenAIServer:
         model: str = "llm",
         served_model_name: str | None = None,
         model_dir: str | Path | None = None,
-        metrics_url: str | None = None,
         limits: FrontLimits | None = None,
         api_key: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
-        kwargs = dict(model=model, served_model_name=served_model_name, model_dir=model_dir, metrics_url=metrics_url,
-                      limits=limits, api_key=api_key)  # fmt: skip
+        kwargs = dict(model=model, served_model_name=served_model_name, model_dir=model_dir, limits=limits,
+                      api_key=api_key)  # fmt: skip
         self._server = uvicorn.Server(_config(triton_url, host, port, **kwargs))
         self._thread: threading.Thread | None = None
 

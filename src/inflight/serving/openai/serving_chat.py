@@ -42,7 +42,7 @@ class OpenAIServingChat(OpenAIServing):
             _render, renderer, messages, body.add_generation_prompt, extra, max_tokens is None
         )
         if max_tokens is None:
-            max_tokens = self.model.default_max_tokens(renderer, num_tokens)
+            max_tokens = self.model.default_max_tokens(num_tokens)
         ctx.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         ctx.sampling = body.sampling_parameters(max_tokens, ctx.top_logprobs)
 

@@ -149,7 +149,7 @@ class OpenAIServing:
         if isinstance(e, RequestError):
             return error_response(400, e.message, e.param, e.code)
         if isinstance(e, ModelError):
-            if e.field is None:
+            if not e.kind.is_users:
                 return error_response(500, e.message)
             return error_response(400, e.message, openai_param(e.field, ctx.body))
         if isinstance(e, TritonTimeout):

@@ -8,6 +8,11 @@ cancel the request, and the engine gives its KV blocks back at its next step.
 A streamed request whose stream stays silent for `stream_timeout_s` (a stalled or dead model process: the
 model may stay READY) ends with TritonTimeout and is cancelled. A non-streamed request has no such bound:
 its one response comes at the end of its generation, however long that takes.
+
+A failed request's error names its kind and field in the tag the model puts on its message
+(`inflight.errors`): the user's (ModelError with the field), the model's own failure (ModelError), or
+unavailable (TritonUnavailable). An untagged error is Triton's own (the model is not loaded, not ready, or its
+stub process died): unavailable too.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -27,6 +31,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from inflight.errors import ErrorKind, read_tagged
+from inflight.limits import ModelLimits
+
 
 class TritonUnavailable(RuntimeError):
     """Triton cannot be reached, or the model is not ready / shutting down (HTTP 503)."""
@@ -37,11 +44,13 @@ class TritonTimeout(TritonUnavailable):
 
 
 class ModelError(RuntimeError):
-    """The model failed the request; `field` is the request field its message names (INVALID_ARG), if any."""
+    """The model failed the request: the user's request (kind INVALID or LIMIT; `field` names the request
+    field at fault, if one is) or the engine (INTERNAL)."""
 
-    def __init__(self, message: str, field: str | None) -> None:
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL, field: str | None = None) -> None:
         super().__init__(message)
         self.message = message
+        self.kind = kind
         self.field = field
 
 
@@ -59,24 +68,14 @@ class ModelOutput:
     num_cached_tokens: int = 0  # prompt tokens from the prefix cache (when asked for: return_token_ids)
 
 
-# Messages of the model's InvalidRequestError name the field first: "max_tokens=-1 is invalid: ...",
-# "prompt has 600 tokens; ...", "sampling_parameters has unknown key 'x'; ...".
-_REQUEST_ID = re.compile(r"^\[request id: [^\]]*\]\s*")
-_UNKNOWN_KEY = re.compile(r"^sampling_parameters has unknown key '(\w+)'")
-_LEADING_FIELD = re.compile(r"^(\w+)(?:\.\w+)*[=\s]")  # "top_p=2 ...", "structured_outputs.json cannot ..."
-# Not the request's fault: the model is (re)starting, stopping, or its stub process died.
-_UNAVAILABLE = ("shutting down", "unavailable", "is not ready", "unknown model", "is not found", "is not healthy")
-
-
-def classify_error(message: str, fields: frozenset[str]) -> ModelError | TritonUnavailable:
-    """Turn the model's error message into a ModelError naming the field (a user error) or TritonUnavailable."""
-    message = _REQUEST_ID.sub("", message)
-    match = _UNKNOWN_KEY.match(message) or _LEADING_FIELD.match(message)
-    if match and match.group(1) in fields:
-        return ModelError(message, match.group(1))
-    if any(s in message for s in _UNAVAILABLE):
-        return TritonUnavailable(message)
-    return ModelError(message, None)
+def classify_error(text: str) -> ModelError | TritonUnavailable:
+    """A Triton error of a request -> ModelError (kind and field from the model's tag) or TritonUnavailable."""
+    tagged = read_tagged(text)
+    if tagged is None:  # Triton's own: no model answered the request
+        return TritonUnavailable(text)
+    if tagged.kind in (ErrorKind.UNAVAILABLE, ErrorKind.CANCELLED):
+        return TritonUnavailable(tagged.message)
+    return ModelError(tagged.message, tagged.kind, tagged.field)
 
 
 def _input(name: str, array: np.ndarray) -> grpcclient.InferInput:
@@ -92,12 +91,9 @@ def _flag(name: str, value: bool) -> grpcclient.InferInput:
 class TritonLLM:
     """The `llm` model at `url`, as an async generator of ModelOutputs per request."""
 
-    def __init__(
-        self, url: str, model: str = "llm", invalid_fields: frozenset[str] = frozenset(), stream_timeout_s: float = 0
-    ) -> None:
+    def __init__(self, url: str, model: str = "llm", stream_timeout_s: float = 0) -> None:
         self.url = url
         self.model = model
-        self.invalid_fields = invalid_fields
         self.stream_timeout_s = stream_timeout_s  # 0: none
         self._client: grpcaio.InferenceServerClient | None = None
         self._draining: set[asyncio.Task] = set()
@@ -124,6 +120,10 @@ class TritonLLM:
             raise TritonUnavailable(f"cannot read the config of model '{self.model}' at {self.url}: {e}") from None
         params = config.get("config", {}).get("parameters", {})
         return {k: v.get("string_value", "") for k, v in params.items()}
+
+    async def limits(self, native_max_model_len: int | None = None) -> ModelLimits:
+        """The model's limits as its config publishes them (`native_max_model_len`: the checkpoint's context)."""
+        return ModelLimits.from_parameters(await self.parameters(), native_max_model_len)
 
     async def ready(self) -> bool:
         try:
@@ -183,7 +183,7 @@ class TritonLLM:
                     ) from None
                 if error is not None:
                     finished = True  # an error response is the request's last
-                    raise classify_error(error.message() or str(error), self.invalid_fields)
+                    raise classify_error(error.message() or str(error))
                 output = self._output(result)
                 finished = output.final
                 yield output
