@@ -32,14 +32,13 @@ import psutil
 
 from inflight.serving.prometheus_text import sample as metric
 from inflight.serving.prometheus_text import scrape
+from loadtest.core_kills_report import SPEC_ERROR_S, failures, plot, row_line, summarize, table
 
 # Small enough for 2 CPU cores. Clients stay below max_num_seqs so that the served-again probe is scheduled
 # at once instead of queueing behind the load.
 ENGINE_ARGS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "num_kv_blocks": 1024, "max_model_len": 2048}
 DEATH_ERROR = "the engine process died"
-SPEC_ERROR_S = 1.0  # the bound: every in-flight request gets its error within this
 DRAIN_TIMEOUT_S = 600.0  # the last requests end by themselves (a slow model's long requests take a while)
-STUB_SLACK = 4  # fds or threads the stub may gain over the whole run (a leak grows with every kill)
 MODEL_ALIASES = {"smollm2": ""}  # "" = the default served model (inflight.model_source)
 
 
@@ -300,7 +299,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             last_kill = time.monotonic()
             row = kill_once(server, load, client, run_dir, args)
             rows.append(row)
-            print(f"kill {k + 1:>2}/{args.kills}: {_line(row)}", flush=True)
+            print(f"kill {k + 1:>2}/{args.kills}: {row_line(row)}", flush=True)
             if row["served_again_s"] is None:
                 print(f"not served again within {args.served_timeout_s:.0f} s: stopping", flush=True)
                 break
@@ -348,133 +347,6 @@ def final_checks(server, client, run_dir: str) -> dict[str, Any]:
     out["core_processes"] = {str(pid): state for pid, state in core_processes(run_dir).items()}
     out["stub_after"] = stub_resources(server)
     return out
-
-
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    ends = [t for r in rows for t in r["time_to_end_s"]]
-    back = [r["served_again_s"] for r in rows if r["served_again_s"] is not None]
-    core = [r["core_back_s"] for r in rows if r["core_back_s"] is not None]
-
-    def stats(xs: list[float]) -> dict[str, float | None]:
-        return {"p50": round(statistics.median(xs), 4) if xs else None, "max": round(max(xs), 4) if xs else None}
-
-    return {
-        "kills": len(rows),
-        "requests_in_flight": sum(r["in_flight"] for r in rows),
-        "hung": sum(r["hung"] for r in rows),
-        "over_spec": sum(r["over_spec"] for r in rows),
-        "ended_with_death_error": sum(r["ended_with_death_error"] for r in rows),
-        "ended_with_other_error": sum(r["ended_with_other_error"] for r in rows),
-        "completed": sum(r["completed"] for r in rows),
-        "not_served_again": sum(r["served_again_s"] is None for r in rows),
-        "model_unready_during_restart": sum(not r["ready_throughout"] for r in rows),
-        "time_to_end_s": stats(ends),
-        "core_back_s": stats(core),
-        "served_again_s": stats(back),
-    }
-
-
-def failures(result: dict[str, Any], kills: int) -> list[str]:
-    s, f = result["summary"], result["final"]
-    found = []
-    if s["kills"] < kills:
-        found.append(f"only {s['kills']} of {kills} kills ran")
-    if s["hung"]:
-        found.append(f"{s['hung']} request(s) hung")
-    if s["not_served_again"]:
-        found.append("the server did not serve again after a kill")
-    if s["ended_with_other_error"]:
-        found.append(f"{s['ended_with_other_error']} in-flight request(s) ended with another error than the death's")
-    if not f.get("load_stopped", False):
-        found.append("a client was still waiting after the load stopped")
-    if not f.get("serves"):
-        found.append("the server does not serve after the kills")
-    if f.get("kv_blocks_used") != 0 or f.get("requests_running") != 0 or f.get("requests_waiting") != 0:
-        found.append("the engine is not empty after the load: " + ", ".join(
-            f"{k}={f.get(k)}" for k in ("kv_blocks_used", "requests_running", "requests_waiting")))  # fmt: skip
-    if f.get("core_starts") != f.get("core_starts_expected"):
-        found.append(f"{f.get('core_starts')} core starts, expected {f.get('core_starts_expected')}")
-    cores = f.get("core_processes", {})
-    live = [int(pid) for pid, state in cores.items() if state not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)]
-    if live != [f.get("core_pid")] or len(cores) != 1:
-        found.append(f"core processes left {cores} (the metrics name {f.get('core_pid')})")
-    before, after = f.get("stub_before", {}), f.get("stub_after", {})
-    for what in ("fds", "threads"):
-        if what in before and what in after and after[what] > before[what] + STUB_SLACK:
-            found.append(f"the stub's {what} grew from {before[what]} to {after[what]}")
-    if f.get("cores_after_stop"):
-        found.append(f"core processes outlived the server: {f['cores_after_stop']}")
-    return found
-
-
-# ---- the report ------------------------------------------------------------------------------------------
-
-
-def _s(x: float | None, digits: int = 2) -> str:
-    return "—" if x is None else f"{x:.{digits}f}"
-
-
-def _line(row: dict[str, Any]) -> str:
-    return (
-        f"{row['in_flight']} in flight ({row['mid_stream']} mid-stream), hung {row['hung']}, ended after "
-        f"p50 {_s(row['time_to_end_p50_s'], 3)} / max {_s(row['time_to_end_max_s'], 3)} s; core back "
-        f"{_s(row['core_back_s'])} s, served again {_s(row['served_again_s'])} s"
-        + ("" if row["ready_throughout"] else "; model not ready for a while")
-    )
-
-
-def table(result: dict[str, Any]) -> str:
-    lines = [
-        "| kill | in flight | hung | > 1 s | time to error p50 / max (s) | core back (s) | served again (s) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for i, r in enumerate(result["kills"], 1):
-        lines.append(
-            f"| {i} | {r['in_flight']} | {r['hung']} | {r['over_spec']} | {_s(r['time_to_end_p50_s'], 3)} / "
-            f"{_s(r['time_to_end_max_s'], 3)} | {_s(r['core_back_s'])} | {_s(r['served_again_s'])} |"
-        )
-    s = result["summary"]
-    lines.append(
-        f"| **all {s['kills']}** | {s['requests_in_flight']} | **{s['hung']}** | {s['over_spec']} | "
-        f"{_s(s['time_to_end_s']['p50'], 3)} / {_s(s['time_to_end_s']['max'], 3)} | "
-        f"{_s(s['core_back_s']['p50'])} / {_s(s['core_back_s']['max'])} | "
-        f"**{_s(s['served_again_s']['p50'])} / {_s(s['served_again_s']['max'])}** |"
-    )
-    return "\n".join(lines)
-
-
-def plot(result: dict[str, Any], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    rows = result["kills"]
-    x = list(range(1, len(rows) + 1))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for i, r in zip(x, rows):
-        left.scatter([i] * len(r["time_to_end_s"]), [1000 * t for t in r["time_to_end_s"]], s=12, color="tab:blue")
-    left.plot(x, [1000 * (r["time_to_end_max_s"] or 0) for r in rows], color="tab:blue", lw=1, label="max")
-    left.axhline(1000 * SPEC_ERROR_S, color="tab:red", ls="--", lw=1, label="bound (1 s)")
-    left.set_yscale("log")
-    left.set_xlabel("kill")
-    left.set_ylabel("kill → request ended (ms)")
-    left.set_title(f"In-flight requests: {result['summary']['hung']} hung")
-    left.legend(fontsize=8)
-    right.plot(x, [r["core_back_s"] for r in rows], marker="o", label="new core up")
-    right.plot(x, [r["served_again_s"] for r in rows], marker="o", label="fresh request served")
-    right.set_xlabel("kill")
-    right.set_ylabel("seconds after the kill")
-    right.set_ylim(bottom=0)
-    right.set_title("Time until served again")
-    right.legend(fontsize=8)
-    for ax in (left, right):
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

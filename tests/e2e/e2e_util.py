@@ -1,12 +1,13 @@
-"""Helpers shared by the e2e tests: Prometheus scraping and polling."""
+"""Helpers shared by the e2e tests: Prometheus samples (inflight.serving.prometheus_text) and polling."""
 
 from __future__ import annotations
 
 import json
-import re
 import time
 import urllib.error
 import urllib.request
+
+from inflight.serving import prometheus_text
 
 # Small enough for 2 CPU cores, big enough that 32 concurrent streams queue up (max_num_seqs) and
 # long requests can be cancelled mid-stream.
@@ -19,20 +20,8 @@ ENGINE_ARGS = {
 }
 
 
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
-
-
-def scrape(metrics_url: str) -> dict[tuple[str, frozenset], float]:
-    """Prometheus text -> {(name, frozenset of label pairs): value}."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
-    samples = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        samples[(m.group(1), labels)] = float(m.group(3))
-    return samples
+def scrape(metrics_url: str) -> prometheus_text.Samples:
+    return prometheus_text.scrape(metrics_url, timeout_s=10)  # a busy 2-core box answers slowly
 
 
 def metric(samples: dict, name: str, **labels: str) -> float:
