@@ -253,3 +253,29 @@ def test_static_waits_for_stragglers_continuous_does_not(policy):
     assert short.is_finished
     joined = nxt in sched.running
     assert joined == (policy == "continuous")
+
+
+def test_update_from_output_appends_accepted_drafts_one_at_a_time_up_to_a_stop_token_or_max_tokens():
+    cfg = engine_cfg(speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    bm = BlockManager(64, 8)
+    sched = make_scheduler(cfg, bm, 200, eos_token_ids=frozenset({2}))
+    a, b = make_seq(4, 10), make_seq(4, 3)
+    for s in (a, b):
+        sched.add(s)
+    prefill = sched.schedule()
+    outs = sched.update_from_output(prefill, [a, b], [[5], [5]], None)
+    assert [(o.new_token_ids, o.finished) for o in outs] == [([5], False), ([5], False)]
+    a.spec_token_ids, b.spec_token_ids = [6, 2, 8], [6, 6]
+    verify = sched.schedule()
+    assert verify.num_scheduled_tokens == [4, 3] and verify.spec_token_ids == [[6, 2, 8], [6, 6]]
+    assert (verify.num_decode_seqs, verify.num_decode_tokens) == (2, 7)
+    # a accepted 6 and 2 (EOS) and b both of its drafts: the tokens after them never reach the sequences.
+    outs = sched.update_from_output(verify, [a, b], [[6, 2, 9], [6, 6, 7]], None)
+    assert [(o.new_token_ids, o.finish_reason, o.stop_reason) for o in outs] == [
+        ([6, 2], "stop", 2),
+        ([6, 6], "length", None),
+    ]
+    assert a.output_token_ids == [5, 6, 2] and b.output_token_ids == [5, 6, 6]
+    assert a.num_computed_tokens == 6  # its last real token and the one draft before the stop token
+    assert sched.num_generation_tokens == 6
+    assert not sched.has_unfinished() and bm.num_free_blocks == bm.num_blocks
