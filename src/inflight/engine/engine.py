@@ -222,7 +222,7 @@ class LLMEngine:
             if seq.is_finished:  # aborted this step: its abort output is made already
                 continue
             self.scheduler.finish(seq, FinishReason.ABORT)
-            outputs.append(request_output(seq, [], error=error))
+            outputs.append(request_output(seq, [], error=error, error_field="structured_outputs"))
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.scheduler.running)
         sched = self.scheduler.schedule()

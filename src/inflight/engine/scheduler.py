@@ -228,7 +228,7 @@ class Scheduler:
                 error = self.structured_outputs.over_budget(seq.request_id, len(seq.output_token_ids))
                 if error is not None:  # its grammar would stall every other request
                     self.finish(seq, FinishReason.ABORT)
-                    return request_output(seq, [], error=error)
+                    return request_output(seq, [], error=error, error_kind="limit", error_field="structured_outputs")
             if logprob is not None and j == 0:  # a sequence with logprobs does not speculate: one token
                 seq.cumulative_logprob += logprob.logprob
             if stop_token or (structured and self.structured_outputs.is_terminated(seq.request_id)):
@@ -251,9 +251,8 @@ class Scheduler:
         self.finish(seq, FinishReason.ABORT)
         if self.structured_outputs.allows_no_token(seq.request_id):
             kind, n = seq.sampling_params.structured_outputs.kind, len(seq.output_token_ids) - 1
-            return request_output(
-                seq, [], error=f"structured_outputs.{kind} matches nothing: no token may follow {n} output tokens"
-            )
+            error = f"structured_outputs.{kind} matches nothing: no token may follow {n} output tokens"
+            return request_output(seq, [], error=error, error_field="structured_outputs")
         return request_output(seq, [], error=f"internal error: the grammar rejected token {tok}", error_kind="internal")
 
 
@@ -264,6 +263,7 @@ def request_output(
     error: str | None = None,
     error_kind: str = "invalid",
     stop_reason: int | None = None,
+    error_field: str | None = None,
 ) -> RequestOutput:
     """The sequence's progress this step: its new tokens and, once finished, why."""
     finished = seq.is_finished
@@ -279,6 +279,7 @@ def request_output(
         num_output_tokens=len(seq.output_token_ids),
         error=error,
         error_kind=error_kind,
+        error_field=error_field,
         num_cached_tokens=seq.num_cached_tokens or 0,
         stop_reason=stop_reason,
     )

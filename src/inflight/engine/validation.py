@@ -1,4 +1,5 @@
-"""Request checks: a request the engine cannot serve is refused before it queues, with the field, value and limit.
+"""Request checks: a request the engine cannot serve is refused before it queues, with the field, value and limit
+(kind LIMIT: over a bound of this server; INVALID: wrong whatever the server).
 
 No torch here: the front of a server imports this module for the checks it runs before a request reaches the
 engine core (tokenizing the prompt, the parameters' bounds).
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from inflight.sampling_params import InvalidRequestError, SamplingParams, StructuredOutputsParams
+from inflight.errors import ErrorKind, InvalidRequestError
+from inflight.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -19,22 +21,26 @@ if TYPE_CHECKING:
 def tokenize_prompt(tokenizer: Tokenizer, prompt: str, max_prompt_bytes: int, max_model_len: int) -> list[int]:
     """Prompt text -> token ids, bounded by max_prompt_bytes: tokenizing megabytes takes seconds."""
     if not prompt:
-        raise InvalidRequestError("prompt is empty: give at least one character")
+        raise InvalidRequestError("prompt is empty: give at least one character", "prompt", ErrorKind.INVALID)
     limit = max_prompt_bytes
     if len(prompt) * 4 > limit and len(prompt.encode("utf-8")) > limit:
         raise InvalidRequestError(
             f"prompt is {len(prompt.encode('utf-8'))} bytes: the limit is max_prompt_bytes={limit} "
-            f"(16 bytes per token of max_model_len={max_model_len} unless set)"
+            f"(16 bytes per token of max_model_len={max_model_len} unless set)",
+            "prompt",
+            ErrorKind.LIMIT,
         )
     return tokenizer.encode(prompt).ids
 
 
 def check_prompt_token_ids(prompt: list[int], vocab_size: int) -> list[int]:
     if not prompt:
-        raise InvalidRequestError("prompt_token_ids is empty: give at least one token")
+        raise InvalidRequestError("prompt_token_ids is empty: give at least one token", "prompt", ErrorKind.INVALID)
     bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
     if bad:
-        raise InvalidRequestError(f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        raise InvalidRequestError(
+            f"prompt token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", "prompt", ErrorKind.INVALID
+        )
     return list(prompt)
 
 
@@ -42,18 +48,24 @@ def check_fits(num_prompt: int, max_tokens: int, max_model_len: int, kv_capacity
     """The prompt and every token it may grow to fit max_model_len and the whole KV cache."""
     if num_prompt >= max_model_len:
         raise InvalidRequestError(
-            f"prompt has {num_prompt} tokens; it must be shorter than max_model_len={max_model_len}"
+            f"prompt has {num_prompt} tokens; it must be shorter than max_model_len={max_model_len}",
+            "prompt",
+            ErrorKind.LIMIT,
         )
     total = num_prompt + max_tokens
     if total > max_model_len:
         raise InvalidRequestError(
             f"max_tokens={max_tokens} is too large: prompt ({num_prompt} tokens) + max_tokens must be "
-            f"<= max_model_len={max_model_len}, so max_tokens <= {max_model_len - num_prompt}"
+            f"<= max_model_len={max_model_len}, so max_tokens <= {max_model_len - num_prompt}",
+            "max_tokens",
+            ErrorKind.LIMIT,
         )
     if total > kv_capacity:
         raise InvalidRequestError(
             f"prompt ({num_prompt} tokens) + max_tokens={max_tokens} exceeds the KV cache capacity of "
-            f"{kv_capacity} tokens"
+            f"{kv_capacity} tokens",
+            "max_tokens",
+            ErrorKind.LIMIT,
         )
 
 
@@ -62,20 +74,29 @@ def check_params(cfg: EngineConfig, params: SamplingParams) -> None:
     check_structured_outputs(cfg, params.structured_outputs)
     if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
         raise InvalidRequestError(
-            f"logprobs={params.logprobs} is too large: the limit is max_logprobs={cfg.max_logprobs}"
+            f"logprobs={params.logprobs} is too large: the limit is max_logprobs={cfg.max_logprobs}",
+            "logprobs",
+            ErrorKind.LIMIT,
         )
     if len(params.stop) > cfg.max_stop_strings:
         raise InvalidRequestError(
-            f"stop has {len(params.stop)} strings: the limit is max_stop_strings={cfg.max_stop_strings}"
+            f"stop has {len(params.stop)} strings: the limit is max_stop_strings={cfg.max_stop_strings}",
+            "stop",
+            ErrorKind.LIMIT,
         )
     longest = max((len(s) for s in params.stop), default=0)
     if longest > cfg.max_stop_str_len:
         raise InvalidRequestError(
-            f"stop has a string of {longest} characters: the limit is max_stop_str_len={cfg.max_stop_str_len}"
+            f"stop has a string of {longest} characters: the limit is max_stop_str_len={cfg.max_stop_str_len}",
+            "stop",
+            ErrorKind.LIMIT,
         )
     if len(params.stop_token_ids) > cfg.max_stop_strings:
         raise InvalidRequestError(
-            f"stop_token_ids has {len(params.stop_token_ids)} ids: the limit is max_stop_strings={cfg.max_stop_strings}"
+            f"stop_token_ids has {len(params.stop_token_ids)} ids: the limit is "
+            f"max_stop_strings={cfg.max_stop_strings}",
+            "stop_token_ids",
+            ErrorKind.LIMIT,
         )
 
 
@@ -90,13 +111,17 @@ def check_structured_outputs(cfg: EngineConfig, params: StructuredOutputsParams 
     if size > cfg.max_grammar_spec_bytes:
         raise InvalidRequestError(
             f"structured_outputs.{kind} is {size} bytes: the limit is max_grammar_spec_bytes="
-            f"{cfg.max_grammar_spec_bytes}"
+            f"{cfg.max_grammar_spec_bytes}",
+            "structured_outputs",
+            ErrorKind.LIMIT,
         )
     depth = _spec_depth(kind, getattr(params, kind))
     if depth > cfg.max_grammar_depth:
         raise InvalidRequestError(
             f"structured_outputs.{kind} nests {depth} levels deep: the limit is max_grammar_depth="
-            f"{cfg.max_grammar_depth}"
+            f"{cfg.max_grammar_depth}",
+            "structured_outputs",
+            ErrorKind.LIMIT,
         )
 
 
