@@ -108,8 +108,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        # Static batching (a baseline for A/B runs): a new batch joins only once the previous one drained.
-        may_admit = self.config.scheduling_policy != "static" or not self.running
 
         i = 0
         speculative = self.speculative
@@ -143,7 +141,7 @@ class Scheduler:
             for j in range(i, len(self.running)):
                 self.running[j].spec_token_ids = []
 
-        if may_admit and not out.preempted:
+        if not out.preempted:
             self._admit(out, budget)
         if speculative and any(drafts):
             out.spec_token_ids = drafts + [[] for _ in range(len(out.seqs) - len(drafts))]
@@ -152,10 +150,14 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         """Waiting sequences join the running batch in queue order while seats, blocks and the token budget
         last; each is scheduled its first chunk. FCFS: a head short of blocks waits rather than be overtaken.
-        A static batch joins whole, budget or not: the running loop schedules what this step has no room for."""
+
+        The two baselines for A/B runs live here alone. scheduling_policy=static: a new batch joins only once
+        the previous one drained, and joins whole, budget or not (the running loop schedules what this step has
+        no room for). kv_reservation=max_length: a sequence holds max_model_len tokens' blocks from admission,
+        as a contiguous allocator would, so the running loop never needs another block for it."""
         static = self.config.scheduling_policy == "static"
-        # kv_reservation=max_length (a baseline for A/B runs) holds max_model_len tokens' blocks from admission,
-        # as a contiguous allocator would; the running loop then never needs another block.
+        if static and self.running:
+            return
         max_length = self.config.kv_reservation == "max_length"
         w = 0
         while w < len(self.waiting) and len(self.running) < self.config.max_num_seqs and (budget > 0 or static):
