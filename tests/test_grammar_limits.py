@@ -135,7 +135,7 @@ def test_small_constraints_compile_in_a_lane_of_their_own(demo_model_dir, monkey
         return compile_grammar(compiler, params)
 
     monkeypatch.setattr(CompilePool, "compile_grammar", staticmethod(slow_for_big))
-    manager = _engine(demo_model_dir).structured_outputs
+    manager = _engine(demo_model_dir).structured_outputs.pool
     try:
         big = [manager.request(StructuredOutputsParams(json=_schema(10_000, seed=i))) for i in range(3)]
         assert len({b.future for b in big}) == 3

@@ -258,7 +258,7 @@ def test_waiting_grammar_does_not_hold_up_the_queue_and_abort_drops_it(demo_mode
 
 def test_compile_cache_is_keyed_by_the_constraint(demo_model_dir):
     engine = _engine(demo_model_dir)
-    manager = engine.structured_outputs
+    manager = engine.structured_outputs.pool
     a = manager.request(StructuredOutputsParams.from_value({"json": {"type": "object", "required": ["a"]}}))
     b = manager.request(StructuredOutputsParams.from_value({"json": '{"required": ["a"], "type": "object"}'}))
     c = manager.request(StructuredOutputsParams.from_value({"json": {"type": "object"}}))
@@ -322,10 +322,10 @@ def test_compile_timeout_counts_only_the_compile_not_the_queue(demo_model_dir, m
 
     from inflight.engine.structured_output import compile_pool as structured_output
 
-    manager = _engine(demo_model_dir).structured_outputs
+    manager = _engine(demo_model_dir).structured_outputs.pool
     manager.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)  # the pool exists now
     gate = threading.Event()
-    pool = manager.pool._lane(StructuredOutputsParams(regex="b+").key)  # small constraints' lane
+    pool = manager._lane(StructuredOutputsParams(regex="b+").key)  # small constraints' lane
     busy = [pool.submit(gate.wait) for _ in range(pool._max_workers)]  # other, slow compiles
     try:
         queued = manager.request(StructuredOutputsParams(regex="b+"))
@@ -345,8 +345,8 @@ def test_engine_close_shuts_the_compile_pool_down(demo_model_dir):
     import threading
 
     engine = _engine(demo_model_dir)
-    engine.structured_outputs.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)
-    engine.structured_outputs.request(StructuredOutputsParams(regex="a" * 5000)).future.result(timeout=60)
+    engine.structured_outputs.pool.request(StructuredOutputsParams(regex="a")).future.result(timeout=60)
+    engine.structured_outputs.pool.request(StructuredOutputsParams(regex="a" * 5000)).future.result(timeout=60)
     manager = engine.structured_outputs
     workers = [
         *manager.pool._pool._threads,
@@ -367,7 +367,7 @@ def test_padding_ids_past_the_tokenizer_are_never_allowed(demo_model_dir):
     tok_vocab = engine.tokenizer.get_vocab_size()
     manager = StructuredOutputManager(engine.tokenizer, tok_vocab + 70, [2], engine.config)
     manager.add("r", StructuredOutputsParams(json_object=True))
-    manager.request(StructuredOutputsParams(json_object=True)).future.result(timeout=60)
+    manager.pool.request(StructuredOutputsParams(json_object=True)).future.result(timeout=60)
     bitmask, rows = manager.grammar_bitmask(["r"])
     bits = ((bitmask[0, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten()[: tok_vocab + 70]
     assert rows.tolist() == [0] and bits[:tok_vocab].any() and not bits[tok_vocab:].any()
@@ -418,7 +418,7 @@ def test_json_rows_never_allow_raw_control_characters(demo_model_dir):
     for i, (so, prefix) in enumerate(cases):
         params = StructuredOutputsParams.from_value(so)
         manager.add(f"r{i}", params)
-        manager.request(params).future.result(timeout=60)
+        manager.pool.request(params).future.result(timeout=60)
         assert manager._requests[f"r{i}"].get_matcher().accept_string(prefix) or not prefix  # inside the string
         ids.append(f"r{i}")
     bitmask, _rows = manager.grammar_bitmask(ids)

@@ -14,8 +14,9 @@ from tqdm.auto import tqdm
 
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
+from inflight.errors import ErrorKind, InvalidRequestError
 from inflight.outputs import CompletionOutput, RequestOutput
-from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.sampling_params import SamplingParams
 from inflight.text.output_processor import RequestState, process_outputs
 
 
@@ -107,12 +108,12 @@ class LLM:
                 ids.append(rid)
             results = {rid: _Accumulator(rid) for rid in ids}
             show = len(ids) >= 8 if use_tqdm is None else use_tqdm
-            errors: list[str] = []
+            errors: list[tuple[str, str | None, str]] = []  # (kind, field, message)
             with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
                 while self.has_unfinished_requests():
                     for out in self.step():
                         if out.error is not None:  # e.g. a grammar that cannot compile: the caller's input
-                            errors.append((out.error_kind, out.error))
+                            errors.append((out.error_kind, out.error_field, out.error))
                         results[out.request_id].add(out)
                         if out.finished:
                             bar.update(1)
@@ -120,8 +121,10 @@ class LLM:
             self._abort(ids)
             raise
         if errors:
-            kind, message = errors[0]
-            raise InvalidRequestError(message) if kind == "invalid" else RuntimeError(message)
+            kind, field, message = errors[0]
+            if ErrorKind(kind).is_users:
+                raise InvalidRequestError(message, field, kind)
+            raise RuntimeError(message)
         return [results[rid].result() for rid in ids]
 
     def _abort(self, ids: list[str]) -> None:

@@ -26,6 +26,7 @@ from inflight.engine.spec_decode.decoder import SpecDecodeCounters, SpecDecoder
 from inflight.engine.stats import EngineSnapshot, StepStats
 from inflight.engine.structured_output import StructuredOutputManager
 from inflight.engine.validation import check_fits, check_params, check_prompt_token_ids, tokenize_prompt
+from inflight.errors import InvalidRequestError
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
 from inflight.model_source import resolve_model
@@ -33,7 +34,7 @@ from inflight.models.config import ModelConfig, config_errors
 from inflight.models.loader import load_model, load_tokenizer, weight_bytes
 from inflight.ops import dtype_probe
 from inflight.outputs import RequestOutput, TokenLogprob
-from inflight.sampling_params import InvalidRequestError, SamplingParams
+from inflight.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -67,10 +67,6 @@ class StructuredOutputManager:
         self._pending: dict[str, StructuredRequest] = {}  # compiling: not ready, not failed yet
         self._filler = BitmaskFiller(vocab_size)
 
-    def request(self, params: StructuredOutputsParams) -> GrammarCompile:
-        """Start (or join) the compile of `params`."""
-        return self.pool.request(params)
-
     def add(self, request_id: str, params: StructuredOutputsParams) -> None:
         """Start the compile of the request's constraint; the scheduler admits it once `is_ready`."""
         request = self._requests[request_id] = StructuredRequest(self.pool.request(params))
