@@ -26,6 +26,8 @@ import torch  # noqa: E402
 from benchmarks.common.models import resolve_model  # noqa: E402
 from inflight.config import EngineConfig  # noqa: E402
 from inflight.engine.engine import LLMEngine  # noqa: E402
+from inflight.engine.structured_output.compile_pool import CompileJob  # noqa: E402
+from inflight.llm import LLM  # noqa: E402
 from inflight.sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 PROMPTS = ["Hello world", "The model runs", "A quiet river flows", "Tell me a story about the ocean"]
@@ -60,6 +62,7 @@ def schema(variant: int = 0) -> dict:
 def run(engine: LLMEngine, requests: list[tuple[str, SamplingParams]], tag: str) -> dict:
     """All requests at once; wall time, generated tokens and each request's TTFT and token count."""
     t0, c0 = time.perf_counter(), time.process_time()
+    engine = LLM.from_engine(engine)  # with the output processor: text
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(f"{tag}-{i}", prompt, params)
     first: dict[str, float] = {}
@@ -153,10 +156,10 @@ class _GrammarTimer:
         manager = self.targets[0][0]
         accept = type(manager).accept
 
-        def timed_accept(seq, tok):
+        def timed_accept(request_id, tok):
             t0 = time.perf_counter()
             try:
-                return accept(seq, tok)
+                return accept(manager, request_id, tok)
             finally:
                 self.seconds += time.perf_counter() - t0
 
@@ -178,7 +181,7 @@ def _valid_json(text: str) -> bool:
 
 
 def compile_times(engine: LLMEngine, reps: int) -> dict:
-    manager = engine.structured_outputs
+    manager = engine.structured_outputs.pool
     t0 = time.perf_counter()
     manager._get_compiler()  # first use: xgrammar import, tokenizer info (once per engine)
     setup = time.perf_counter() - t0
@@ -186,7 +189,7 @@ def compile_times(engine: LLMEngine, reps: int) -> dict:
     for v in range(reps):
         p = StructuredOutputsParams.from_value({"json": schema(1000 + v), "disable_any_whitespace": True})
         t0 = time.perf_counter()
-        manager._compile(p, [])  # the list collects when compiles start (the manager's own timing)
+        manager._compile(p, CompileJob())  # the job records when the compile starts (the pool's own timing)
         times.append(time.perf_counter() - t0)
     return {"compiler_setup_s": setup, "compile_ms_median": 1e3 * statistics.median(times), "compile_ms": times}
 
