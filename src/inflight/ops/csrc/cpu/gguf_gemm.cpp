@@ -384,21 +384,27 @@ static FusedFn<uint16_t> fused_for(const uint16_t*, int rows) {
 template <class F, typename T>
 static void range_impl(const T* x, int64_t ldx, const uint8_t* w, int64_t M, int64_t N, int64_t K, T* y, int64_t ldy,
                        const T* bias, int64_t begin, int64_t end) {
-  const int64_t P = (N + NR - 1) / NR, pb = panel_bytes<F>(K);
+  const int64_t P = (N + NR - 1) / NR, C = (M + MC - 1) / MC, pb = panel_bytes<F>(K);
   // Where bf16 GEMMs of this K run on AMX tiles, every chunk goes through the scratch: the tiles' bits.
   const bool scratch_only = std::is_same_v<T, uint16_t> && amx_for(K);
   thread_local std::vector<T> scratch;
+  int64_t in_scratch = -1;  // the panel the scratch holds (this call's: a freed weight's address may come back)
   for (int64_t t = begin; t < end; t++) {
-    const int64_t c = t / P, p = t % P, m0 = c * MC, n = std::min(M, (c + 1) * MC) - m0;
+    // Task t is gemm_range's (chunk, panel) pair, numbered panel-major: a thread's run of tasks is a few
+    // panels over every chunk, so a prompt's panel is dequantized once a call, not once per 64 rows.
+    const int64_t p = t / C, c = t % C, m0 = c * MC, n = std::min(M, (c + 1) * MC) - m0;
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
     const uint8_t* panel = w + p * pb;
     const T* b = bias ? bias + p * NR : nullptr;
-    if (n <= FUSED_ROWS && !scratch_only) {
+    if (n <= FUSED_ROWS && !scratch_only && in_scratch != p) {
       fused_for<F>(x, (int)n)(x + m0 * ldx, ldx, panel, K, y + m0 * ldy + p * NR, ldy, b, valid);
       continue;
     }
-    if ((int64_t)scratch.size() < NR * K) scratch.resize(NR * K);
-    dequant_panel<F>(panel, K, scratch.data());
+    if (in_scratch != p) {
+      if ((int64_t)scratch.size() < NR * K) scratch.resize(NR * K);
+      dequant_panel<F>(panel, K, scratch.data());
+      in_scratch = p;
+    }
     gemm_range<T>(x + m0 * ldx, ldx, scratch.data(), n, valid, K, y + m0 * ldy + p * NR, ldy, b, 0, 1);
   }
 }
