@@ -47,6 +47,13 @@ static inline uint32_t get_u32(const uint8_t* p) {
 static INLINE __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 static INLINE __m512i bytes16(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)); }
 static INLINE __m512i sbytes16(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)); }
+// float(nibble - offset) of each lane's low 4 bits by one vpermps (which reads only those bits): the and, the
+// offset's subtraction and the conversion in one instruction, the same exact values.
+static INLINE __m512 nibble_table(int offset) {
+  return _mm512_sub_ps(_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                       _mm512_set1_ps((float)offset));
+}
+static INLINE __m512 low_nibbles(__m512i b, __m512 table) { return _mm512_permutexvar_ps(b, table); }
 #endif
 
 // ---- formats: the file's block (repack) and the packed record's dequantization (block) ----
@@ -101,24 +108,29 @@ struct Q32F {
       if (HIGH) h[j] = _mm512_loadu_si512(rec + H_OFF + 64 * j);
     }
     const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16), off = _mm512_set1_epi32(OFFSET);
+    const __m512 table = nibble_table(OFFSET);
     const uint8_t* qs = rec + Q_OFF;
     for (int k = 0; k < 32; k += 2) {
       __m512 w0[3], w1[3];
       for (int j = 0; j < 3; ++j) {
         const __m512i b = bytes16(qs + (k / 2) * 48 + 16 * j);
-        __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi32(b, 4);
+        __m512 q0, q1;
         if (HIGH) {
+          __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi32(b, 4);
           lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32(h[j], 4), bit4));
           hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi32(h[j], 3), bit4));
           h[j] = _mm512_srli_epi32(h[j], 2);
-        }
-        if (OFFSET) lo = _mm512_sub_epi32(lo, off), hi = _mm512_sub_epi32(hi, off);
-        if (HAS_M) {  // d * q exact: one rounding either way
-          w0[j] = _mm512_fmadd_ps(a[j], _mm512_cvtepi32_ps(lo), m[j]);
-          w1[j] = _mm512_fmadd_ps(a[j], _mm512_cvtepi32_ps(hi), m[j]);
+          if (OFFSET) lo = _mm512_sub_epi32(lo, off), hi = _mm512_sub_epi32(hi, off);
+          q0 = _mm512_cvtepi32_ps(lo), q1 = _mm512_cvtepi32_ps(hi);
         } else {
-          w0[j] = _mm512_mul_ps(a[j], _mm512_cvtepi32_ps(lo));
-          w1[j] = _mm512_mul_ps(a[j], _mm512_cvtepi32_ps(hi));
+          q0 = low_nibbles(b, table), q1 = low_nibbles(_mm512_srli_epi32(b, 4), table);
+        }
+        if (HAS_M) {  // d * q exact: one rounding either way
+          w0[j] = _mm512_fmadd_ps(a[j], q0, m[j]);
+          w1[j] = _mm512_fmadd_ps(a[j], q1, m[j]);
+        } else {
+          w0[j] = _mm512_mul_ps(a[j], q0);
+          w1[j] = _mm512_mul_ps(a[j], q1);
         }
       }
       fn(k, w0, w1);
@@ -163,6 +175,7 @@ struct QKF {
     __m512 d[3], dmin[3];
     for (int j = 0; j < 3; ++j) d[j] = half16(rec + 32 * j), dmin[j] = half16(rec + 96 + 32 * j);
     const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
+    const __m512 table = nibble_table(0);
     for (int g = 0; g < 8; ++g) {
       __m512 a[3], m[3];
       __m512i h[3];
@@ -176,15 +189,19 @@ struct QKF {
         __m512 w0[3], w1[3];
         for (int j = 0; j < 3; ++j) {
           const __m512i b = bytes16(qs + (k / 2) * 48 + 16 * j);
-          __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi32(b, 4);
+          __m512 q0, q1;
           if (HIGH) {
+            __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi32(b, 4);
             lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32(h[j], 4), bit4));
             hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi32(h[j], 3), bit4));
             h[j] = _mm512_srli_epi32(h[j], 2);
+            q0 = _mm512_cvtepi32_ps(lo), q1 = _mm512_cvtepi32_ps(hi);
+          } else {
+            q0 = low_nibbles(b, table), q1 = low_nibbles(_mm512_srli_epi32(b, 4), table);
           }
           // (d * sc) * q is exact (17 x 5 bits): fused with the subtraction, the same single rounding
-          w0[j] = _mm512_fmsub_ps(a[j], _mm512_cvtepi32_ps(lo), m[j]);
-          w1[j] = _mm512_fmsub_ps(a[j], _mm512_cvtepi32_ps(hi), m[j]);
+          w0[j] = _mm512_fmsub_ps(a[j], q0, m[j]);
+          w1[j] = _mm512_fmsub_ps(a[j], q1, m[j]);
         }
         fn(32 * g + k, w0, w1);
       }
