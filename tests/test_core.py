@@ -178,7 +178,7 @@ def test_core_aborts_and_rejects(core):
     core.add(wire.AddRequest.make("bad", [1, 2, 3], SamplingParams(max_tokens=10_000), time.monotonic()))
     core.add(wire.AddRequest.make("oov", [10**6], SamplingParams(max_tokens=2), time.monotonic()))
     errors = _run(core, {"bad", "oov"})
-    assert errors["bad"][-1].error_kind == "invalid" and "max_model_len=256" in errors["bad"][-1].error
+    assert errors["bad"][-1].error_kind == "limit" and "max_model_len=256" in errors["bad"][-1].error
     assert "outside the vocabulary" in errors["oov"][-1].error
     core.abort(["long"])
     state = None
