@@ -13,6 +13,8 @@ from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.model_source import default_model_path, gguf_metadata
 from inflight.models.config import ModelConfig
+from inflight.models.loader import load_model, weight_bytes
+from inflight.models.quantized import packed_kernel_available
 from inflight.serving.openai.renderer import PromptRenderer
 
 transformers = pytest.importorskip("transformers")
@@ -176,3 +178,38 @@ def test_passage_perplexity_within_one_percent_of_hf(gguf_path, tokenizer, hf_sm
     ppl = _perplexity(logits, ids)
     assert 1 < hf_ppl < 100  # a trained model on plain English
     assert abs(ppl - hf_ppl) / hf_ppl < 0.01, (dtype, ppl, hf_ppl)
+
+
+def _passage_logits(gguf_path, ids: list[int], **config) -> torch.Tensor:
+    engine = LLMEngine(gguf_path, EngineConfig(max_num_batched_tokens=48, num_kv_blocks=16, **config))
+    captured = capture_logits(engine)
+    engine.add_request("p", ids, SamplingParams(temperature=0, max_tokens=4))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return torch.cat([lg.float() for _, _, lg in captured])
+
+
+def _packed_or_skip(gguf_path, dtype: torch.dtype) -> None:
+    types = {t.tensor_type.name for t in gguf_metadata(gguf_path).reader.tensors if len(t.shape) == 2}
+    if not all(packed_kernel_available(t, dtype, torch.device("cpu"), 576) for t in types - {"F32"}):
+        pytest.skip("no packed GGUF kernel for this file on this CPU")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_give_the_dequantized_models_logits(gguf_path, tokenizer, dtype):
+    """Weight-only packed GEMMs compute on the same weights as the dequantized model, in the same order."""
+    _packed_or_skip(gguf_path, getattr(torch, dtype))
+    ids = tokenizer.encode(PASSAGE).ids[:100]
+    packed = _passage_logits(gguf_path, ids, dtype=dtype, weight_format="packed")
+    dequantized = _passage_logits(gguf_path, ids, dtype=dtype, weight_format="dequantized")
+    assert torch.equal(packed, dequantized)
+
+
+def test_packed_weights_stay_the_files_size(gguf_path):
+    _packed_or_skip(gguf_path, torch.bfloat16)
+    file_bytes = sum(int(t.n_bytes) for t in gguf_metadata(gguf_path).reader.tensors)
+    model, _ = load_model(gguf_path, torch.bfloat16, "cpu", "packed")
+    held = weight_bytes(model)
+    assert held <= 1.15 * file_bytes, (held, file_bytes)
+    dequantized, _ = load_model(gguf_path, torch.bfloat16, "cpu", "dequantized")
+    assert weight_bytes(dequantized) > 2.5 * held  # bf16 weights and the tied head's packed copy

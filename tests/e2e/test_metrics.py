@@ -61,3 +61,20 @@ def test_metrics_after_traffic(client, server):
     assert metric(after, "vllm:gpu_cache_usage_perc") == 0
     for name in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
         assert delta(f"vllm:{name}_count") == delta(f"inflight_{name}_count") == n
+
+
+def test_every_declared_series_is_on_the_metrics_page(server):
+    from inflight.serving import metrics as m
+
+    page = {name for name, _ in settled(server)}
+    declared = {n.name for group in (m.COUNTERS, m.GAUGES, m.CORE_GAUGES) for names in group.values() for n in names}
+    declared |= {n.name for n in m.CORE_STARTS}
+    declared |= {n.name + "_count" for names, _ in m.HISTOGRAMS.values() for n in names}
+    assert declared <= page, sorted(declared - page)
+    assert metric(settled(server), "inflight_engine_core_starts_total") >= 1
+
+
+def test_model_weight_bytes_is_what_the_engine_holds(server, offline_llm):
+    """The same model and settings in-process hold exactly the bytes the server's core reports."""
+    reported = metric(settled(server), "inflight_model_weight_bytes")
+    assert reported == offline_llm.engine.model_weight_bytes > 0

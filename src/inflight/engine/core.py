@@ -73,12 +73,15 @@ class EngineCore:
     def __init__(self, spec: CoreSpec, inbox: zmq.Socket, outbox: zmq.Socket, parent_pid: int) -> None:
         import torch
 
+        from inflight.models.loader import release_load_memory
+
         # Placement: the core's forward takes every core it may run on; the front (Triton's stub) only waits
         # on sockets and Triton's I/O, and OMP_WAIT_POLICY=PASSIVE lets it take a core back when it needs one.
         torch.set_num_threads(spec.num_threads or len(os.sched_getaffinity(0)))
         module, _, name = spec.engine_class.partition(":")
         engine_cls = getattr(importlib.import_module(module), name)
         self.engine = engine_cls(spec.model_dir, spec.config)  # token ids out: the front detokenizes
+        release_load_memory()  # the core's resident size is then what the engine holds
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.encoder = msgspec.msgpack.Encoder()
@@ -100,6 +103,7 @@ class EngineCore:
                 block_size=engine.config.block_size,
                 vocab_size=engine.model_config.vocab_size,
                 dtype=str(engine.dtype).removeprefix("torch."),
+                model_weight_bytes=engine.model_weight_bytes,
             )
         )
         log.info("engine core ready (pid %d)", os.getpid())

@@ -129,6 +129,7 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
     block_size: int
     vocab_size: int
     dtype: str
+    model_weight_bytes: int  # bytes of the weights the core holds (packed GGUF blocks as they are)
 
 
 class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import mmap
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +97,9 @@ def read_tensors(
         heads = num_heads if t.name.endswith("attn_q.weight") else num_kv_heads
         permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
         if name in keep_packed:
-            blocks = torch.from_numpy(np.asarray(t.data)).reshape(shape[0], -1)  # [rows, bytes], the file's pages
+            with warnings.catch_warnings():  # a read-only view of the file: only ever read (repacked or copied)
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(np.asarray(t.data)).reshape(shape[0], -1)  # [rows, bytes]
             if permuted:  # a permutation of whole rows: each row's blocks move as they are
                 blocks = unpermute_qk(blocks, heads)
             out[name] = GGUFWeight(qtype=int(t.tensor_type), data=blocks, shape=shape)

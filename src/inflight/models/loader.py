@@ -4,6 +4,9 @@ blocks where a kernel computes them (`weight_format`), the other tensors dequant
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
 import logging
 from pathlib import Path
@@ -172,6 +175,15 @@ def _install_packed(model: LlamaForCausalLM, packed: dict[str, GGUFWeight], dtyp
             name = p.removesuffix(".weight").rpartition(".")[2]
             if name != attr and hasattr(parent, name):
                 delattr(parent, name)
+
+
+def release_load_memory() -> None:
+    """After the model and tokenizer are loaded: forget the parsed GGUF metadata (its vocabulary arrays) and hand
+    the heap that loading freed back to the OS, so the process's resident size is what it holds."""
+    gguf_metadata.cache_clear()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

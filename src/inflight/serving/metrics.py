@@ -96,6 +96,7 @@ CORE_GAUGES: dict[str, tuple[Name, ...]] = {
     "kv_capacity": _names(
         ("inflight_kv_cache_capacity_tokens", "Tokens the paged KV cache holds (num_kv_blocks x block_size)")
     ),
+    "weight_bytes": _names(("inflight_model_weight_bytes", "Bytes of model weights the engine core holds")),
 }
 CORE_STARTS = _names(
     ("inflight_engine_core_starts_total", "Engine core processes started (1 + restarts after a death)")
@@ -177,6 +178,7 @@ class TritonMetrics:
         """A core process (wire.Ready) started: its pid and capacity."""
         self.core["pid"].set(ready.pid)
         self.core["kv_capacity"].set(ready.num_kv_blocks * ready.block_size)
+        self.core["weight_bytes"].set(ready.model_weight_bytes)
         self.core_starts.increment(1)
 
     def update(self, state: SchedulerStats, counts: IterationStats) -> None:
