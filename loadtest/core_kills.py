@@ -166,15 +166,21 @@ def core_pid(server) -> int | None:
     return int(pid) if pid else None
 
 
+# psutil's process status as the one letter /proc and ps show (the JSON result keeps those)
+_STATE_LETTER = {psutil.STATUS_RUNNING: "R", psutil.STATUS_SLEEPING: "S", psutil.STATUS_DISK_SLEEP: "D",
+                 psutil.STATUS_STOPPED: "T", psutil.STATUS_ZOMBIE: "Z", psutil.STATUS_DEAD: "X",
+                 psutil.STATUS_IDLE: "I"}  # fmt: skip
+
+
 def core_processes(run_dir: str) -> dict[int, str]:
-    """Engine core processes of this launch: {pid: psutil status}. The core is a multiprocessing spawn child of
-    the stub, which runs in tritonserver's run directory; a core orphaned outside the server's process tree
-    keeps that working directory."""
+    """Engine core processes of this launch: {pid: state letter, as ps shows it}. The core is a multiprocessing
+    spawn child of the stub, which runs in tritonserver's run directory; a core orphaned outside the server's
+    process tree keeps that working directory."""
     found = {}
     for proc in psutil.process_iter():
         try:
             if proc.cwd().startswith(run_dir) and "spawn_main" in " ".join(proc.cmdline()):
-                found[proc.pid] = proc.status()
+                found[proc.pid] = _STATE_LETTER.get(proc.status(), "?")
         except psutil.Error:  # gone meanwhile, a zombie, or not ours to read
             continue
     return found
