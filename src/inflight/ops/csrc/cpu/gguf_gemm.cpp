@@ -280,6 +280,13 @@ static void repack_rows(const uint8_t* raw, int64_t row_bytes, int64_t N, int64_
   });
 }
 
+// While a block of one panel computes, the same block of the next task's panel is pulled into L2 (the
+// weights stream from memory; a dequantized panel computes too fast for the hardware prefetcher to keep up).
+static inline void prefetch_block(const uint8_t* next, int64_t b, int64_t bytes) {
+  if (next == nullptr) return;
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)next + b * bytes + o, _MM_HINT_T1);
+}
+
 #ifdef __AVX512F__
 static inline __mmask16 lane_mask(int valid) {
   return valid >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (valid > 0 ? valid : 0)) - 1u);
@@ -288,7 +295,7 @@ static inline __mmask16 lane_mask(int valid) {
 // R rows x one panel, dequantizing in registers: kernel_f32's FMAs in its order, weights made on the fly.
 template <class F, int R>
 static void fused_f32(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, float* y, int64_t ldy,
-                      const float* bias, int valid) {
+                      const float* bias, int valid, const uint8_t* next) {
   __m512 acc[R][3];
   for (int i = 0; i < R; i++)
     for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
@@ -310,8 +317,9 @@ static void fused_f32(const float* x, int64_t ldx, const uint8_t* panel, int64_t
 }
 
 template <class F>
-static void dequant_panel(const uint8_t* panel, int64_t K, float* w) {
+static void dequant_panel(const uint8_t* panel, int64_t K, float* w, const uint8_t* next) {
   for (int64_t b = 0; b < K / F::SB; ++b) {
+    prefetch_block(next, b, F::BYTES);
     float* wb = w + b * F::SB * NR;
     F::block(panel + b * F::BYTES, [&](int k, const __m512* w0, const __m512* w1) LAMBDA_INLINE {
       for (int j = 0; j < 3; j++) {
@@ -334,7 +342,7 @@ static INLINE __m512bh bf16_pairs(__m512 w0, __m512 w1) {
 
 template <class F, int R>
 static void fused_bf16(const uint16_t* x, int64_t ldx, const uint8_t* panel, int64_t K, uint16_t* y, int64_t ldy,
-                       const uint16_t* bias, int valid) {
+                       const uint16_t* bias, int valid, const uint8_t* next) {
   __m512 acc[R][3];
   for (int i = 0; i < R; i++)
     for (int j = 0; j < 3; j++) acc[i][j] = _mm512_setzero_ps();
@@ -366,8 +374,9 @@ static void fused_bf16(const uint16_t* x, int64_t ldx, const uint8_t* panel, int
 }
 
 template <class F>
-static void dequant_panel(const uint8_t* panel, int64_t K, uint16_t* w) {
+static void dequant_panel(const uint8_t* panel, int64_t K, uint16_t* w, const uint8_t* next) {
   for (int64_t b = 0; b < K / F::SB; ++b) {
+    prefetch_block(next, b, F::BYTES);
     uint16_t* wb = w + b * F::SB * NR;
     F::block(panel + b * F::BYTES, [&](int k, const __m512* w0, const __m512* w1) LAMBDA_INLINE {
       for (int j = 0; j < 3; j++) _mm512_storeu_si512(wb + k * NR + 32 * j, (__m512i)bf16_pairs(w0[j], w1[j]));
@@ -377,7 +386,7 @@ static void dequant_panel(const uint8_t* panel, int64_t K, uint16_t* w) {
 #endif
 
 template <typename T>
-using FusedFn = void (*)(const T*, int64_t, const uint8_t*, int64_t, T*, int64_t, const T*, int);
+using FusedFn = void (*)(const T*, int64_t, const uint8_t*, int64_t, T*, int64_t, const T*, int, const uint8_t*);
 
 #ifdef __AVX512F__
 template <class F>
@@ -413,13 +422,14 @@ static void range_impl(const T* x, int64_t ldx, const uint8_t* w, int64_t M, int
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
     const uint8_t* panel = w + p * pb;
     const T* b = bias ? bias + p * NR : nullptr;
+    const uint8_t* next = t + 1 < end && (t + 1) / C != p ? w + ((t + 1) / C) * pb : nullptr;
     if (n <= FUSED_ROWS && !scratch_only && in_scratch != p) {
-      fused_for<F>(x, (int)n)(x + m0 * ldx, ldx, panel, K, y + m0 * ldy + p * NR, ldy, b, valid);
+      fused_for<F>(x, (int)n)(x + m0 * ldx, ldx, panel, K, y + m0 * ldy + p * NR, ldy, b, valid, nullptr);
       continue;
     }
     if (in_scratch != p) {
       if ((int64_t)scratch.size() < NR * K) scratch.resize(NR * K);
-      dequant_panel<F>(panel, K, scratch.data());
+      dequant_panel<F>(panel, K, scratch.data(), next);
       in_scratch = p;
     }
     gemm_range<T>(x + m0 * ldx, ldx, scratch.data(), n, valid, K, y + m0 * ldy + p * NR, ldy, b, 0, 1);
