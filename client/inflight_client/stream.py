@@ -30,6 +30,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
+from inflight.errors import read_tagged
+
 _END = object()
 
 
@@ -37,12 +39,16 @@ GRPC_ERROR_MIN_VERSION = (2, 53)
 
 
 class InferenceError(RuntimeError):
-    """The server failed the request; `code` is the gRPC status name (e.g. INVALID_ARGUMENT) when known."""
+    """The server failed the request; `code` is the gRPC status name (e.g. INVALID_ARGUMENT) when known; `kind`
+    and `field` what the model's error says (inflight.errors: invalid, limit, unavailable, internal), if it is
+    the model's."""
 
-    def __init__(self, code: str | None, message: str) -> None:
+    def __init__(self, code: str | None, message: str, kind: str | None = None, field: str | None = None) -> None:
         super().__init__(f"{code}: {message}" if code else message)
         self.code = code
         self.message = message
+        self.kind = kind
+        self.field = field
 
 
 @dataclass
@@ -279,7 +285,12 @@ def _first(result, name: str):
 
 def _to_error(error: InferenceServerException) -> InferenceError:
     status = error.status()
-    return InferenceError(status.removeprefix("StatusCode.") if status else None, error.message() or str(error))
+    code = status.removeprefix("StatusCode.") if status else None
+    text = error.message() or str(error)
+    tagged = read_tagged(text)  # the model's kind and field ride in a tag before its message
+    if tagged is None:
+        return InferenceError(code, text)
+    return InferenceError(code, tagged.message, tagged.kind.value, tagged.field)
 
 
 def _version(text: str) -> tuple[int, ...]:
