@@ -365,7 +365,7 @@ def test_padding_ids_past_the_tokenizer_are_never_allowed(demo_model_dir):
 
     engine = _engine(demo_model_dir)
     tok_vocab = engine.tokenizer.get_vocab_size()
-    manager = StructuredOutputManager(engine.tokenizer, tok_vocab + 70, [2], engine.config)
+    manager = StructuredOutputManager(lambda: engine.tokenizer, tok_vocab + 70, [2], engine.config)
     manager.add("r", StructuredOutputsParams(json_object=True))
     manager.pool.request(StructuredOutputsParams(json_object=True)).future.result(timeout=60)
     bitmask, rows = manager.grammar_bitmask(["r"])

@@ -7,12 +7,14 @@ outputs, and the offline `LLM` on this engine's.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +38,9 @@ from inflight.ops import dtype_probe
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import SamplingParams
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 
@@ -45,6 +50,11 @@ def bf16_probe(cfg: ModelConfig) -> Callable[[], float | None]:
 
 
 class LLMEngine:
+    @functools.cached_property
+    def tokenizer(self) -> Tokenizer:
+        """Loaded on first use: the engine core gets token ids and needs it only to compile a grammar."""
+        return load_tokenizer(self.model_dir)
+
     def __init__(self, model_dir: str | Path | None = None, config: EngineConfig | None = None) -> None:
         """`model_dir`: an HF checkpoint directory, a GGUF file (or a directory holding one), "demo", or None
         for the default model (SmolLM2-135M-Instruct, inflight.model_source)."""
@@ -58,7 +68,7 @@ class LLMEngine:
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device, config.weight_format)
         self.model_weight_bytes = weight_bytes(self.model)
         logger.info("model weights: %.1f MiB", self.model_weight_bytes / 2**20)
-        self.tokenizer = load_tokenizer(model_dir)
+        self.model_dir = model_dir
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         # A prompt's text is bounded before it is tokenized: tokenizing 10 MB takes seconds.
@@ -80,7 +90,7 @@ class LLMEngine:
         if self.kv_events is not None:  # a router forgets what an earlier engine on this endpoint held
             self.kv_events.publish([AllBlocksCleared()])
         self.structured_outputs = StructuredOutputManager(
-            self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids), config
+            lambda: self.tokenizer, mc.vocab_size, sorted(self.eos_token_ids), config
         )
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, self.eos_token_ids, self.structured_outputs

@@ -22,6 +22,8 @@ import torch
 from inflight.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import xgrammar
     from tokenizers import Tokenizer
 
@@ -107,7 +109,12 @@ class CompilePool:
     """The compiler (built lazily, on the first constraint), the compile cache and the lanes of workers."""
 
     def __init__(
-        self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int], config: EngineConfig, max_workers: int
+        self,
+        tokenizer: Callable[[], Tokenizer] | None,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        config: EngineConfig,
+        max_workers: int,
     ) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -177,7 +184,7 @@ class CompilePool:
         with self._compiler_lock:
             if self._compiler is None:
                 compiler, info = _make_compiler(
-                    self._tokenizer, self.vocab_size, self._stop_token_ids, self.config.max_grammar_cache_bytes
+                    self._tokenizer(), self.vocab_size, self._stop_token_ids, self.config.max_grammar_cache_bytes
                 )
                 self._json_allowed = _json_allowed_words(info.decoded_vocab, self.vocab_size)
                 self._compiler = compiler

@@ -19,6 +19,8 @@ from inflight.engine.structured_output.bitmask import BitmaskFiller
 from inflight.engine.structured_output.compile_pool import CompilePool, GrammarCompile
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import xgrammar
     from tokenizers import Tokenizer
 
@@ -50,11 +52,12 @@ class StructuredRequest:
 
 
 class StructuredOutputManager:
-    """Owned by the engine thread; only the compile pool's workers run elsewhere."""
+    """Owned by the engine thread; only the compile pool's workers run elsewhere. `tokenizer` returns the
+    tokenizer when the first constraint compiles (a server that never sees one never loads it)."""
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: Callable[[], Tokenizer] | None,
         vocab_size: int,
         stop_token_ids: list[int],
         config: EngineConfig,
