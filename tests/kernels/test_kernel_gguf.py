@@ -170,3 +170,14 @@ def test_bf16_on_a_gpu(qtype):
         exact = x.float() @ weight.T
         bound = FP32_BOUND * (x.float().abs() @ weight.abs().T) + 2.0**-8 * exact.abs()  # bf16's half ulp
         assert ((out.float() - exact).abs() <= bound).all()
+
+
+def test_a_gguf_model_on_cuda_keeps_the_formats_these_kernels_compute():
+    """The loader keeps blocks on a GPU exactly where these kernels run them (bf16 only where compiled)."""
+    from inflight.models.quantized import packed_kernel_available
+
+    cuda = torch.device("cuda")
+    assert packed_kernel_available("Q4_K", torch.float16, cuda, 256)
+    assert packed_kernel_available("Q8_0", torch.float32, cuda, 96)
+    assert not packed_kernel_available("Q4_K", torch.float16, cuda, 96)  # a row is not whole super-blocks
+    assert not packed_kernel_available("F16", torch.float16, cuda, 256)

@@ -34,6 +34,10 @@ def packed_kernel_available(type_name: str, dtype: torch.dtype, device: torch.de
     qtype = int(gguf.GGMLQuantizationType[type_name])
     if device.type == "cpu":
         return cpu.gguf_supports(qtype, dtype, in_features)
+    if device.type == "cuda":
+        from inflight.ops.triton import gguf_gemm
+
+        return gguf_gemm.gguf_supports(qtype, dtype, in_features)
     return False
 
 
