@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from inflight.errors import ErrorKind
 from inflight.serving.openai.triton_stream import ModelError, TritonLLM
 
 PROMPT = "the quick brown fox jumps over the lazy dog and keeps running through the quiet garden"
@@ -41,7 +42,7 @@ def test_token_ids_in_and_out_match_the_text_path(server, offline_llm):
 @pytest.mark.parametrize("ids, field", [([], "input_ids"), ([10**9], "prompt")])
 def test_bad_input_ids_are_invalid_arguments(server, ids, field):
     async def run():
-        llm = TritonLLM(server.grpc_url, invalid_fields=frozenset({"input_ids", "prompt"}))
+        llm = TritonLLM(server.grpc_url)
         try:
             return [o async for o in llm.generate(ids, {"max_tokens": 2}, stream=True, token_ids=True)]
         finally:
@@ -49,4 +50,4 @@ def test_bad_input_ids_are_invalid_arguments(server, ids, field):
 
     with pytest.raises(ModelError) as err:
         asyncio.run(run())
-    assert err.value.field == field, err.value.message
+    assert (err.value.kind, err.value.field) == (ErrorKind.INVALID, field), err.value.message

@@ -31,6 +31,7 @@ from inflight.engine.validation import check_fits, check_params, check_prompt_to
 from inflight.errors import InvalidRequestError
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
+from inflight.limits import default_max_prompt_bytes, resolve_max_model_len
 from inflight.model_source import resolve_model
 from inflight.models.config import ModelConfig, config_errors
 from inflight.models.loader import load_model, load_tokenizer, weight_bytes
@@ -70,9 +71,9 @@ class LLMEngine:
         logger.info("model weights: %.1f MiB", self.model_weight_bytes / 2**20)
         self.model_dir = model_dir
         mc = self.model_config
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        # A prompt's text is bounded before it is tokenized: tokenizing 10 MB takes seconds.
-        self.max_prompt_bytes = config.max_prompt_bytes or 16 * self.max_model_len
+        # The rules a client of the served model applies to the same config (inflight.limits).
+        self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
+        self.max_prompt_bytes = config.max_prompt_bytes or default_max_prompt_bytes(self.max_model_len)
         self.eos_token_ids = set(mc.eos_token_ids)
 
         self.num_kv_blocks = self._num_kv_blocks()
