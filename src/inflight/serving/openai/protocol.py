@@ -2,7 +2,7 @@
 
 Only what the engine can honour is accepted: `n` > 1, tools, `logit_bias` and token-id prompts get a
 400 naming the field rather than being silently ignored. Value ranges are checked by the model itself
-(one set of limits), whose INVALID_ARG message is mapped back to the OpenAI field by `openai_param`.
+(one set of limits), whose error names the request field at fault, mapped to the OpenAI one by `openai_param`.
 Lists are bounded here, before pydantic builds their items (a body of millions of token ids or messages
 would otherwise take seconds of the event loop to refuse).
 """
@@ -230,7 +230,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 def openai_param(field: str | None, request: CompletionRequest | ChatCompletionRequest) -> str | None:
-    """The OpenAI field behind a field named in the model's error message."""
+    """The OpenAI field behind the request field a model error names (its `field`)."""
     if field is None:
         return None
     chat = isinstance(request, ChatCompletionRequest)
@@ -243,11 +243,3 @@ def openai_param(field: str | None, request: CompletionRequest | ChatCompletionR
     if field == "structured_outputs":
         return "response_format"
     return field
-
-
-# Fields the model's INVALID_ARG messages may name (SamplingParams' and the request's own).
-MODEL_FIELDS = frozenset(
-    {"text_input", "prompt", "prompt_token_ids", "sampling_parameters", "max_tokens", "min_tokens", "temperature",
-     "top_k", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty", "ignore_eos",
-     "stop", "stop_token_ids", "logprobs", "structured_outputs"}
-)  # fmt: skip
