@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from inflight.config import EngineConfig
-from inflight.engine import wire
+from inflight.engine import core_messages
 from inflight.engine.core import CoreSpec
 from inflight.engine.core_client import CoreClient
 from inflight.engine.engine import LLMEngine
@@ -49,9 +49,9 @@ def test_step_outputs_round_trip():
     stats = StepStats(1.0, 1, 0, 1, 1, 0, 1, 2, 64, 0, 0.0, 0.01, 0.005, 4)
     state = SchedulerStats(1, 0, 2, 62, 0, 4, stats, 0.5)
     counts = IterationStats(steps=5, prompt_tokens=2, spec_decode_num_accepted_tokens_per_pos=(2, 1))
-    failure = wire.Output.failure("r2", ErrorKind.LIMIT, "max_tokens=9 is too large", "max_tokens")
-    message = wire.StepOutputs([wire.Output.of(out), failure], state, counts)
-    back = _roundtrip(message, wire.FromCore)
+    failure = core_messages.Output.failure("r2", ErrorKind.LIMIT, "max_tokens=9 is too large", "max_tokens")
+    message = core_messages.StepOutputs([core_messages.Output.of(out), failure], state, counts)
+    back = _roundtrip(message, core_messages.FromCore)
     assert back == message
     assert back.outputs[0].to_request_output([1, 2]) == out
     assert (back.outputs[1].error_kind, back.outputs[1].error_field) == ("limit", "max_tokens")
@@ -80,10 +80,10 @@ def test_iteration_stats_are_the_counts_between_two_snapshots_and_add_up():
 
 def test_requests_round_trip():
     params = SamplingParams(temperature=0.5, max_tokens=9, stop=["x"], structured_outputs={"choice": ["a", "b"]})
-    add = wire.AddRequest.make("r", [3, 4], params, 12.5, priority=2)
-    back = _roundtrip(add, wire.ToCore)
+    add = core_messages.AddRequest.make("r", [3, 4], params, 12.5, priority=2)
+    back = _roundtrip(add, core_messages.ToCore)
     assert back == add and back.sampling_params() == params
-    assert _roundtrip(wire.Abort(["a", "b"]), wire.ToCore) == wire.Abort(["a", "b"])
+    assert _roundtrip(core_messages.Abort(["a", "b"]), core_messages.ToCore) == core_messages.Abort(["a", "b"])
 
 
 @pytest.fixture(scope="module")
@@ -94,8 +94,8 @@ def core(demo_model_dir):
     client.close()
 
 
-def _run(core: CoreClient, until: set[str], timeout_s: float = 60) -> dict[str, list[wire.Output]]:
-    outputs: dict[str, list[wire.Output]] = {}
+def _run(core: CoreClient, until: set[str], timeout_s: float = 60) -> dict[str, list[core_messages.Output]]:
+    outputs: dict[str, list[core_messages.Output]] = {}
     deadline = time.monotonic() + timeout_s
     while until and time.monotonic() < deadline:
         for message in core.poll(0.5):
@@ -118,7 +118,9 @@ def _in_process(model_dir, prompts: dict[str, list[int]], params: SamplingParams
     return outputs
 
 
-def _front(core, prompts, params, got: dict[str, list[wire.Output]]) -> tuple[dict[str, list[RequestOutput]], set]:
+def _front(
+    core, prompts, params, got: dict[str, list[core_messages.Output]]
+) -> tuple[dict[str, list[RequestOutput]], set]:
     """What the front makes of the core's outputs: the output processor over each request's step messages."""
     tokenizer = load_tokenizer(core.spec.model_dir)
     texts, aborted = {}, set()
@@ -137,7 +139,7 @@ def test_core_process_matches_the_in_process_engine(core, demo_model_dir):
     prompts = {"a": [1, 2, 3, 4], "b": [5, 6, 7], "c": [9, 10, 11, 12, 13, 14]}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     for rid, ids in prompts.items():
-        core.add(wire.AddRequest.make(rid, ids, params, time.monotonic()))
+        core.add(core_messages.AddRequest.make(rid, ids, params, time.monotonic()))
     want = _in_process(demo_model_dir, prompts, params)
     got = _run(core, set(prompts))
     front, _ = _front(core, prompts, params, got)
@@ -160,7 +162,7 @@ def test_core_outputs_token_ids_only_and_leaves_stop_strings_to_the_front(core, 
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1, stop=[stop])
     want = _in_process(demo_model_dir, prompts, params)
     assert want["s"][-1].finish_reason == "stop" and want["s"][-1].num_output_tokens < 24
-    core.add(wire.AddRequest.make("s", prompts["s"], params, time.monotonic()))
+    core.add(core_messages.AddRequest.make("s", prompts["s"], params, time.monotonic()))
     got = _run(core, {"s"})
     assert [t for o in got["s"] for t in o.new_token_ids] == [t for o in full["s"] for t in o.new_token_ids]
     assert got["s"][-1].finish_reason == "length" and not any(hasattr(o, "new_text") for o in got["s"])
@@ -174,9 +176,13 @@ def test_core_outputs_token_ids_only_and_leaves_stop_strings_to_the_front(core, 
 
 
 def test_core_aborts_and_rejects(core):
-    core.add(wire.AddRequest.make("long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), time.monotonic()))
-    core.add(wire.AddRequest.make("bad", [1, 2, 3], SamplingParams(max_tokens=10_000), time.monotonic()))
-    core.add(wire.AddRequest.make("oov", [10**6], SamplingParams(max_tokens=2), time.monotonic()))
+    core.add(
+        core_messages.AddRequest.make(
+            "long", [1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True), time.monotonic()
+        )
+    )
+    core.add(core_messages.AddRequest.make("bad", [1, 2, 3], SamplingParams(max_tokens=10_000), time.monotonic()))
+    core.add(core_messages.AddRequest.make("oov", [10**6], SamplingParams(max_tokens=2), time.monotonic()))
     errors = _run(core, {"bad", "oov"})
     assert errors["bad"][-1].error_kind == "limit" and "max_model_len=256" in errors["bad"][-1].error
     assert "outside the vocabulary" in errors["oov"][-1].error

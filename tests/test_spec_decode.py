@@ -505,12 +505,12 @@ def test_engine_snapshot_carries_the_counters(demo_model_dir):
 
     import msgspec
 
-    from inflight.engine import wire
+    from inflight.engine import core_messages
     from inflight.engine.stats import IterationStats
 
     snap = dataclasses.replace(snap, spec_decode_num_drafts=3, spec_decode_num_accepted_tokens_per_pos=(2, 1, 0, 0))
-    raw = msgspec.msgpack.Encoder().encode(wire.StepOutputs([], None, IterationStats.between(None, snap)))
-    back = msgspec.msgpack.Decoder(wire.FromCore).decode(raw)
+    raw = msgspec.msgpack.Encoder().encode(core_messages.StepOutputs([], None, IterationStats.between(None, snap)))
+    back = msgspec.msgpack.Decoder(core_messages.FromCore).decode(raw)
     assert back.iteration_stats.spec_decode_num_drafts == 3
     assert back.iteration_stats.spec_decode_num_accepted_tokens_per_pos == (2, 1, 0, 0)
 

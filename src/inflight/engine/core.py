@@ -28,7 +28,7 @@ import msgspec
 import zmq
 
 from inflight.config import EngineConfig
-from inflight.engine import wire
+from inflight.engine import core_messages
 from inflight.engine.stats import EngineSnapshot, IterationStats, SchedulerStats
 from inflight.errors import ErrorKind, InvalidRequestError
 from inflight.log import setup as log_setup
@@ -85,7 +85,7 @@ class EngineCore:
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(wire.ToCore)
+        self.decoder = msgspec.msgpack.Decoder(core_messages.ToCore)
         self.active: set[str] = set()
         self.broken: str | None = None
         self.step_log = open(spec.step_log, "a", buffering=1) if spec.step_log else None  # noqa: SIM115
@@ -95,7 +95,7 @@ class EngineCore:
         self.counted: EngineSnapshot | None = None  # the snapshot whose counts went out last
         engine = self.engine
         self.send(
-            wire.Ready(
+            core_messages.Ready(
                 pid=os.getpid(),
                 max_model_len=engine.max_model_len,
                 max_prompt_bytes=engine.max_prompt_bytes,
@@ -132,9 +132,9 @@ class EngineCore:
                 outputs += self.step()
             self.publish(outputs)
 
-    def take_inputs(self, block: bool) -> list[wire.Output]:
+    def take_inputs(self, block: bool) -> list[core_messages.Output]:
         """Everything the front sent so far; when idle, wait for the first message (checking on the parent)."""
-        answers: list[wire.Output] = []
+        answers: list[core_messages.Output] = []
         while block and not self.inbox.poll(IDLE_POLL_MS):
             self.exit_if_orphaned()
         while True:
@@ -143,7 +143,7 @@ class EngineCore:
             except zmq.Again:
                 return answers
             message = self.decoder.decode(frame.buffer)
-            if isinstance(message, wire.Abort):
+            if isinstance(message, core_messages.Abort):
                 for request_id in message.request_ids:
                     if request_id in self.active:
                         self.active.discard(request_id)
@@ -154,23 +154,23 @@ class EngineCore:
                     answers.append(answer)
             self.stats_sent = False
 
-    def add(self, req: wire.AddRequest) -> wire.Output | None:
+    def add(self, req: core_messages.AddRequest) -> core_messages.Output | None:
         if self.broken is not None:
             message = f"the engine is unavailable: {self.broken}"
-            return wire.Output.failure(req.request_id, ErrorKind.UNAVAILABLE, message)
+            return core_messages.Output.failure(req.request_id, ErrorKind.UNAVAILABLE, message)
         try:
             params = req.sampling_params()
             self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority)
         except InvalidRequestError as e:
-            return wire.Output.failure(req.request_id, e.kind, str(e), e.field)
+            return core_messages.Output.failure(req.request_id, e.kind, str(e), e.field)
         except Exception as e:
             log.error("add_request failed:\n%s", traceback.format_exc())
             message = f"the engine could not take the request: {e!r}"
-            return wire.Output.failure(req.request_id, ErrorKind.INTERNAL, message)
+            return core_messages.Output.failure(req.request_id, ErrorKind.INTERNAL, message)
         self.active.add(req.request_id)
         return None
 
-    def step(self) -> list[wire.Output]:
+    def step(self) -> list[core_messages.Output]:
         steps_before = self.engine.counters.get("steps")
         try:
             outputs = self.engine.step()
@@ -188,14 +188,14 @@ class EngineCore:
                 continue
             if out.finished:
                 self.active.discard(out.request_id)
-            sent.append(wire.Output.of(out))
+            sent.append(core_messages.Output.of(out))
         return sent
 
-    def recover(self, error: Exception) -> list[wire.Output]:
+    def recover(self, error: Exception) -> list[core_messages.Output]:
         """A step failed: fail every request in flight, then try to bring the engine back to empty."""
         log.error("engine step failed:\n%s", traceback.format_exc())
         message = f"the engine failed while running this request: {error!r}"
-        failed = [wire.Output.failure(r, ErrorKind.INTERNAL, message) for r in self.active]
+        failed = [core_messages.Output.failure(r, ErrorKind.INTERNAL, message) for r in self.active]
         active, self.active = self.active, set()
         try:
             for request_id in active:
@@ -209,10 +209,10 @@ class EngineCore:
             log.error("engine could not recover; refusing new requests:\n%s", traceback.format_exc())
             self.broken = f"it failed and could not recover ({e!r}; first failure: {error!r})"
             self.publish(failed)
-            self.send(wire.Broken(self.broken))
+            self.send(core_messages.Broken(self.broken))
             return []
 
-    def publish(self, outputs: list[wire.Output]) -> None:
+    def publish(self, outputs: list[core_messages.Output]) -> None:
         """One message for the step: its outputs, and the stats when due (or when the engine went idle)."""
         now = time.monotonic()
         idle = not self.engine.has_unfinished_requests()
@@ -223,9 +223,9 @@ class EngineCore:
             self.counted = snapshot
             self.next_stats = now + STATS_INTERVAL_S
             self.stats_sent = True
-            self.send(wire.StepOutputs(outputs, state, counts))
+            self.send(core_messages.StepOutputs(outputs, state, counts))
         elif outputs:
-            self.send(wire.StepOutputs(outputs))
+            self.send(core_messages.StepOutputs(outputs))
 
     def log_step(self) -> None:
         stats = self.engine.last_step_stats

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from inflight.engine import wire
+from inflight.engine import core_messages
 from inflight.engine.core import CoreSpec, run_core
 
 
@@ -33,7 +33,7 @@ class CoreError(RuntimeError):
 class CoreClient:
     def __init__(self, spec: CoreSpec) -> None:
         self.spec = spec
-        self.ready: wire.Ready | None = None
+        self.ready: core_messages.Ready | None = None
         self.exit_reason: str | None = None  # set once the process is seen dead
         self._dir = tempfile.mkdtemp(prefix="inflight-core-")
         self._ctx = zmq.Context(io_threads=1)
@@ -43,7 +43,7 @@ class CoreClient:
         self._output.setsockopt(zmq.LINGER, 0)
         self._send_lock = threading.Lock()  # submit() and the responder both send
         self._encoder = msgspec.msgpack.Encoder()
-        self._decoder = msgspec.msgpack.Decoder(wire.FromCore)
+        self._decoder = msgspec.msgpack.Decoder(core_messages.FromCore)
         ctx = multiprocessing.get_context("spawn")
         ctx.set_executable(_python())
         input_addr, output_addr = f"ipc://{self._dir}/input", f"ipc://{self._dir}/output"
@@ -57,14 +57,14 @@ class CoreClient:
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = 900.0, stopping: threading.Event | None = None) -> wire.Ready:
+    def start(self, timeout_s: float = 900.0, stopping: threading.Event | None = None) -> core_messages.Ready:
         """Start the process and wait for its handshake; CoreError if it dies or the wait ends first."""
         self.process.start()
         self._poller.register(self.process.sentinel, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and not (stopping is not None and stopping.is_set()):
             for message in self.poll(0.1):
-                if isinstance(message, wire.Ready):
+                if isinstance(message, core_messages.Ready):
                     self.ready = message
                     return message
             if self.exit_reason is not None:
@@ -95,12 +95,12 @@ class CoreClient:
 
     # ---- messages ---------------------------------------------------------------------------------------
 
-    def add(self, request: wire.AddRequest) -> None:
+    def add(self, request: core_messages.AddRequest) -> None:
         self._send(request)
 
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
-            self._send(wire.Abort(request_ids))
+            self._send(core_messages.Abort(request_ids))
 
     def _send(self, message) -> None:
         data = self._encoder.encode(message)

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from inflight.engine import wire
+from inflight.engine import core_messages
 from inflight.engine.core import CoreSpec
 from inflight.engine.core_client import CoreClient, CoreError
 from inflight.engine.stats import IterationStats, SchedulerStats
@@ -70,7 +70,7 @@ class Submission:
 Failure = tuple[ErrorKind, str, "str | None"]
 
 
-class _Route:
+class _ActiveRequest:
     """One request's client and its text (the output processor's state, responder only); `ended` (responder
     only): answered finally."""
 
@@ -105,7 +105,7 @@ class EngineLoop:
         on_broken: Callable[[str], None] | None = None,
         cancel_interval_s: float = 0.05,
         metrics_interval_s: float = 0.5,
-        on_core_start: Callable[[wire.Ready], None] | None = None,
+        on_core_start: Callable[[core_messages.Ready], None] | None = None,
         max_restarts: int = MAX_RESTARTS,
         restart_window_s: float = RESTART_WINDOW_S,
         restart_backoff_s: float = RESTART_BACKOFF_S,
@@ -126,9 +126,9 @@ class EngineLoop:
         self._restart_backoff_s = restart_backoff_s
         self._deaths: collections.deque[float] = collections.deque()
         self._core: CoreClient | None = None
-        self.info: wire.Ready | None = None  # the running core's handshake
+        self.info: core_messages.Ready | None = None  # the running core's handshake
         self._lock = threading.Lock()  # guards _active and _unavailable against submit()
-        self._active: dict[str, _Route] = {}
+        self._active: dict[str, _ActiveRequest] = {}
         self._unavailable: str | None = None  # why new requests are refused now (restarting)
         self._broken: str | None = None
         self.scheduler_stats: SchedulerStats | None = None  # the core's latest state (responder only)
@@ -164,12 +164,14 @@ class EngineLoop:
         except InvalidRequestError as e:
             _notify(sub.client, e.kind, str(e), e.field)
             return
-        route = _Route(sub.request_id, sub.client, prompt, RequestState(self.tokenizer, prompt, sub.params))
+        active = _ActiveRequest(sub.request_id, sub.client, prompt, RequestState(self.tokenizer, prompt, sub.params))
         with self._lock:
             reason = self._refusal()
             if reason is None:
-                self._active[sub.request_id] = route
-                self._core.add(wire.AddRequest.make(sub.request_id, prompt, sub.params, sub.arrival_time, sub.priority))
+                self._active[sub.request_id] = active
+                self._core.add(
+                    core_messages.AddRequest.make(sub.request_id, prompt, sub.params, sub.arrival_time, sub.priority)
+                )
         if reason is not None:
             _notify(sub.client, ErrorKind.UNAVAILABLE, reason)
 
@@ -214,9 +216,9 @@ class EngineLoop:
         log.error("%s (pid %s)", reason, core.pid)
         with self._lock:
             self._unavailable = reason
-            routes, self._active = self._active, {}
-        for route in routes.values():
-            route.fail(ErrorKind.UNAVAILABLE, reason)
+            active_requests, self._active = self._active, {}
+        for active in active_requests.values():
+            active.fail(ErrorKind.UNAVAILABLE, reason)
         core.close()
         self._forget_core()
         now = time.monotonic()
@@ -251,9 +253,9 @@ class EngineLoop:
         log.error("the engine is broken: %s", reason)
         with self._lock:
             self._broken = reason
-            routes, self._active = self._active, {}
-        for route in routes.values():
-            route.fail(ErrorKind.UNAVAILABLE, f"the engine is unavailable: {reason}")
+            active_requests, self._active = self._active, {}
+        for active in active_requests.values():
+            active.fail(ErrorKind.UNAVAILABLE, f"the engine is unavailable: {reason}")
         if self._on_broken is not None:
             _safe(self._on_broken, reason)
 
@@ -265,9 +267,9 @@ class EngineLoop:
             while not self._stopping.is_set():
                 core = self._core
                 timeout = max(0.0, min(next_cancel_check, next_metrics) - time.monotonic())
-                items = self._take(core.poll(timeout))
+                items = self._read_core_messages(core.poll(timeout))
                 try:
-                    self._deliver(items)
+                    self._send_batch(items)
                 except Exception:  # a bug here must not end the thread that answers everyone
                     log.error("delivering responses failed:\n%s", traceback.format_exc())
                     self._fail_items(items)
@@ -286,16 +288,16 @@ class EngineLoop:
             raise
         finally:
             with self._lock:
-                routes, self._active = self._active, {}
-            for route in routes.values():
-                route.fail(ErrorKind.UNAVAILABLE, "the model is shutting down")
+                active_requests, self._active = self._active, {}
+            for active in active_requests.values():
+                active.fail(ErrorKind.UNAVAILABLE, "the model is shutting down")
             self._publish()
 
-    def _take(self, messages: list) -> list[tuple[_Route, RequestOutput | Failure]]:
-        """The core's messages -> (route, output or failure) in order; routes of finished requests leave."""
+    def _read_core_messages(self, messages: list) -> list[tuple[_ActiveRequest, RequestOutput | Failure]]:
+        """The core's messages -> (active, output or failure) in order; active_requests of finished requests leave."""
         items = []
         for message in messages:
-            if isinstance(message, wire.StepOutputs):
+            if isinstance(message, core_messages.StepOutputs):
                 if message.iteration_stats is not None:
                     self.totals += message.iteration_stats
                     self._unpublished += message.iteration_stats
@@ -303,95 +305,95 @@ class EngineLoop:
                     self.scheduler_stats = message.scheduler_stats
                     if _idle(self.scheduler_stats) != _idle(self._published):  # work began or ended: publish now
                         self._publish()
-                items += self._process(message.outputs)
-            elif isinstance(message, wire.Broken):
+                items += self._detokenize(message.outputs)
+            elif isinstance(message, core_messages.Broken):
                 self._set_broken(message.reason)
         return items
 
-    def _process(self, outputs: list[wire.Output]) -> list[tuple[_Route, RequestOutput | Failure]]:
+    def _detokenize(self, outputs: list[core_messages.Output]) -> list[tuple[_ActiveRequest, RequestOutput | Failure]]:
         """One step's outputs through the output processor; a request it finished (a stop string) the core
         aborts, which frees its blocks. Outputs of requests that ended earlier (cancelled, failed, stopped) go."""
-        live = [(route, out) for out in outputs if (route := self._active.get(out.request_id)) is not None]
+        live = [(active, out) for out in outputs if (active := self._active.get(out.request_id)) is not None]
         if not live:
             return []
-        routes = [route for route, _ in live]
-        outs = [out.to_request_output(route.prompt_token_ids) for route, out in live]
+        active_requests = [active for active, _ in live]
+        outs = [out.to_request_output(active.prompt_token_ids) for active, out in live]
         try:
-            processed = process_outputs([route.state for route in routes], outs)
+            processed = process_outputs([active.state for active in active_requests], outs)
         except Exception as e:  # a bug in the text work fails these requests, not the responder
             log.error("detokenizing failed:\n%s", traceback.format_exc())
             with self._lock:
-                for route in routes:
-                    self._active.pop(route.request_id, None)
+                for active in active_requests:
+                    self._active.pop(active.request_id, None)
                 self._core.abort([out.request_id for out in outs if not out.finished])
-            return [(route, (ErrorKind.INTERNAL, f"detokenizing failed: {e!r}", None)) for route in routes]
+            return [(active, (ErrorKind.INTERNAL, f"detokenizing failed: {e!r}", None)) for active in active_requests]
         items = []
         with self._lock:
             for out in processed.request_outputs:
                 if out.finished:
                     self._active.pop(out.request_id, None)
             self._core.abort(processed.reqs_to_abort)
-        for route, out in zip(routes, processed.request_outputs):
+        for active, out in zip(active_requests, processed.request_outputs):
             if out.error is not None:
-                items.append((route, (ErrorKind(out.error_kind), out.error, out.error_field)))
+                items.append((active, (ErrorKind(out.error_kind), out.error, out.error_field)))
             else:
-                items.append((route, out))
+                items.append((active, out))
         return items
 
     def _fail_items(self, items: list) -> None:
-        for route, item in items:
-            if not route.ended and isinstance(item, RequestOutput) and not item.finished:
-                self._abort(route)
-            route.fail(ErrorKind.INTERNAL, "sending a response failed; see the log")
+        for active, item in items:
+            if not active.ended and isinstance(item, RequestOutput) and not item.finished:
+                self._abort(active)
+            active.fail(ErrorKind.INTERNAL, "sending a response failed; see the log")
 
-    def _deliver(self, batch: list) -> None:
+    def _send_batch(self, batch: list) -> None:
         """Send a batch of items, one response per request: its outputs merged, then any error."""
-        pending: dict[int, tuple[_Route, RequestOutput]] = {}
-        for route, item in batch:
-            if route.ended:
+        pending: dict[int, tuple[_ActiveRequest, RequestOutput]] = {}
+        for active, item in batch:
+            if active.ended:
                 continue
-            key = id(route)  # routes in this batch are alive, so their ids are distinct
+            key = id(active)  # active_requests in this batch are alive, so their ids are distinct
             if isinstance(item, RequestOutput):
                 previous = pending.get(key)
-                pending[key] = (route, merge_outputs(previous[1], item) if previous else item)
+                pending[key] = (active, merge_outputs(previous[1], item) if previous else item)
                 continue
             if key in pending:  # an error after outputs: the outputs go first
                 self._send(*pending.pop(key))
-            route.fail(*item)
-        for route, out in pending.values():
-            if not route.ended:
-                self._send(route, out)
+            active.fail(*item)
+        for active, out in pending.values():
+            if not active.ended:
+                self._send(active, out)
 
-    def _send(self, route: _Route, out: RequestOutput) -> None:
+    def _send(self, active: _ActiveRequest, out: RequestOutput) -> None:
         try:
-            route.client.on_output(out)
+            active.client.on_output(out)
         except Exception as e:
             # Final or not, the request must still end: answer it with an error (its last chance).
             log.error("sending a response failed:\n%s", traceback.format_exc())
             if not out.finished:
-                self._abort(route)
-            route.fail(ErrorKind.INTERNAL, f"sending a response failed: {e!r}")
+                self._abort(active)
+            active.fail(ErrorKind.INTERNAL, f"sending a response failed: {e!r}")
             return
         if out.finished:
-            route.ended = True
+            active.ended = True
 
-    def _abort(self, route: _Route) -> None:
+    def _abort(self, active: _ActiveRequest) -> None:
         with self._lock:
-            if self._active.pop(route.request_id, None) is not None:
-                self._core.abort([route.request_id])
+            if self._active.pop(active.request_id, None) is not None:
+                self._core.abort([active.request_id])
 
     def _check_cancelled(self) -> None:
         cancelled = []
-        for route in list(self._active.values()):
-            if route.ended:
+        for active in list(self._active.values()):
+            if active.ended:
                 continue
             try:
-                gone = route.client.is_cancelled()
+                gone = active.client.is_cancelled()
             except Exception:  # the sender is gone: nobody to answer, free the blocks
                 gone = True
             if gone:
-                cancelled.append(route.request_id)
-                route.fail(ErrorKind.CANCELLED, "the request was cancelled")
+                cancelled.append(active.request_id)
+                active.fail(ErrorKind.CANCELLED, "the request was cancelled")
         if cancelled:
             with self._lock:
                 for request_id in cancelled:

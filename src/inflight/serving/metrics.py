@@ -175,7 +175,7 @@ class TritonMetrics:
         return _Series(metrics)
 
     def core_started(self, ready) -> None:
-        """A core process (wire.Ready) started: its pid and capacity."""
+        """A core process (core_messages.Ready) started: its pid and capacity."""
         self.core["pid"].set(ready.pid)
         self.core["kv_capacity"].set(ready.num_kv_blocks * ready.block_size)
         self.core["weight_bytes"].set(ready.model_weight_bytes)
