@@ -264,4 +264,4 @@ def test_add_request_failing_after_registration_unregisters(demo_model_dir):
     while engine.has_unfinished_requests():
         outs += engine.step()
     assert outs[-1].finished and outs[-1].request_id == "r1"
-    assert engine.counters["prompt_tokens"] == len(outs[-1].prompt_token_ids)
+    assert engine.num_prompt_tokens == len(outs[-1].prompt_token_ids)

@@ -282,7 +282,7 @@ def test_oracle_drafts_greedy_identical_and_accepted(demo_model_dir, dtype):
     assert sum(per_pos) == c["spec_decode_num_accepted_tokens"] and per_pos[0] > 0 and per_pos[1] > 0
     assert list(per_pos) == sorted(per_pos, reverse=True)  # position i is accepted only after 0..i-1
     # Fewer steps than tokens: several tokens a step.
-    assert engine.counters["steps"] < sum(len(r) for r in ref)
+    assert engine.num_steps < sum(len(r) for r in ref)
 
 
 def test_oracle_drafts_with_preemption_prefix_hits_and_a_small_budget(demo_model_dir):

@@ -171,14 +171,14 @@ class EngineCore:
         return None
 
     def step(self) -> list[core_messages.Output]:
-        steps_before = self.engine.counters.get("steps")
+        steps_before = self.engine.num_steps
         try:
             outputs = self.engine.step()
         except Exception as e:
             return self.recover(e)
         self.stats_sent = False
         stats = self.engine.last_step_stats
-        if stats is not None and self.engine.counters.get("steps") != steps_before:
+        if stats is not None and self.engine.num_steps != steps_before:
             self.max_spread = max(self.max_spread, stats.arrival_spread_s)
             if self.step_log is not None:
                 self.log_step()

@@ -113,7 +113,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []
         self.last_step_stats: StepStats | None = None
-        self.counters = {"prompt_tokens": 0, "steps": 0}
+        self.num_steps = 0  # forward passes run
+        self.num_prompt_tokens = 0  # prompt tokens of the requests added
         spec = config.speculative_config
         self.spec_decoder = SpecDecoder(spec, self.max_model_len) if spec is not None else None
 
@@ -171,7 +172,7 @@ class LLMEngine:
             del self._seqs[request_id]
             self.structured_outputs.remove(request_id)
             raise
-        self.counters["prompt_tokens"] += len(token_ids)
+        self.num_prompt_tokens += len(token_ids)
 
     def tokenize(self, prompt: str) -> list[int]:
         """Prompt text -> token ids, bounded by max_prompt_bytes. Thread-safe (it reads only the
@@ -203,8 +204,8 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         return EngineSnapshot(
-            steps=self.counters["steps"],
-            prompt_tokens=self.counters["prompt_tokens"],
+            steps=self.num_steps,
+            prompt_tokens=self.num_prompt_tokens,
             generation_tokens=self.scheduler.num_generation_tokens,
             num_preemptions=self.scheduler.num_preemptions,
             num_running=len(self.scheduler.running),
@@ -319,7 +320,7 @@ class LLMEngine:
 
     def _record_stats(self, sched: SchedulerOutput, num_running: int, t0: float, forward_time: float) -> None:
         arrivals = [s.arrival_time for s in sched.seqs]
-        self.counters["steps"] += 1
+        self.num_steps += 1
         self.last_step_stats = StepStats(
             time=time.monotonic(),
             num_running=num_running,
