@@ -63,7 +63,7 @@ def run_engine(
         if not engine.has_unfinished_requests():
             time.sleep(max(0.0, t0 + pending[nxt].arrival_s - time.monotonic()))
             continue
-        before = engine.counters["steps"]
+        before = engine.num_steps
         outputs = engine.step()
         now = time.monotonic()
         for out in outputs:
@@ -73,7 +73,7 @@ def run_engine(
                 done[out.request_id] = now
                 bar.update(1)
         stats = engine.last_step_stats
-        if stats is not None and engine.counters["steps"] != before:
+        if stats is not None and engine.num_steps != before:
             steps.append(
                 StepRecord(
                     t=now - t0,

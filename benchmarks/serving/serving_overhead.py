@@ -88,10 +88,10 @@ def run_in_process(model_dir: Path, config: EngineConfig, jobs: Sequence[Job], c
             job = pending.popleft()
             sent[job.request_id] = time.monotonic()
             engine.add_request(job.request_id, job.prompt, exact_params(job.output_len), sent[job.request_id])
-        before = engine.counters["steps"]
+        before = engine.num_steps
         outputs = engine.step()
         now = time.monotonic()
-        if engine.counters["steps"] != before and engine.last_step_stats is not None:
+        if engine.num_steps != before and engine.last_step_stats is not None:
             busy += engine.last_step_stats.step_time_s
             running.append(engine.last_step_stats.num_running)
         for out in outputs:
