@@ -124,10 +124,9 @@ def test_a_body_within_the_cap_reaches_the_app_whole():
 def test_a_trickling_body_is_a_408_at_the_deadline():
     inner = Echo()
     guard = Guard(inner, FrontLimits(body_timeout_s=0.3))
-    start = time.monotonic()
-    status, _, body, _ = asyncio.run(call(guard, chunks=[b"x"] * 100, delay=0.05))
+    status, _, body, received = asyncio.run(call(guard, chunks=[b"x"] * 100, delay=0.05))
     assert status == 408 and inner.calls == 0
-    assert time.monotonic() - start < 1.5
+    assert received < 100  # it stopped reading at the deadline, not after the whole body
     assert "0.3" in error_of(body)["message"]
 
 
@@ -285,7 +284,8 @@ def test_a_silent_stream_times_out_and_is_cancelled(monkeypatch):
     start = time.monotonic()
     got, error = asyncio.run(consume())
     assert got == ["tok", "tok"] and llm._client.call.cancelled
-    assert 0.2 <= time.monotonic() - start < 1.5
+    # At least the timeout; the upper bound is only generous for a loaded machine (the fake stalls forever).
+    assert 0.2 <= time.monotonic() - start < 10
     assert "0.2" in str(error)
 
 
