@@ -54,6 +54,24 @@ static INLINE __m512 nibble_table(int offset) {
                        _mm512_set1_ps((float)offset));
 }
 static INLINE __m512 low_nibbles(__m512i b, __m512 table) { return _mm512_permutexvar_ps(b, table); }
+
+// Weights k and k+1 of 16 lanes from their byte b (low nibble k, high nibble k+1) as floats less OFFSET; with
+// HIGH, each weight's fifth bit comes from h (bit 2i weight k, bit 2i+1 weight k+1), which moves on two bits.
+template <bool HIGH, int OFFSET>
+static INLINE void nibble_pair(__m512i b, __m512i& h, __m512 table, __m512& q0, __m512& q1) {
+  if (!HIGH) {
+    q0 = low_nibbles(b, table), q1 = low_nibbles(_mm512_srli_epi32(b, 4), table);
+    return;
+  }
+  const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
+  __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi32(b, 4);
+  lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32(h, 4), bit4));
+  hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi32(h, 3), bit4));
+  h = _mm512_srli_epi32(h, 2);
+  if (OFFSET)
+    lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(OFFSET)), hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(OFFSET));
+  q0 = _mm512_cvtepi32_ps(lo), q1 = _mm512_cvtepi32_ps(hi);
+}
 #endif
 
 // ---- formats: the file's block (repack) and the packed record's dequantization (block) ----
@@ -107,7 +125,6 @@ struct Q32F {
       m[j] = HAS_M ? half16(rec + M_OFF + 32 * j) : _mm512_setzero_ps();
       if (HIGH) h[j] = _mm512_loadu_si512(rec + H_OFF + 64 * j);
     }
-    const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16), off = _mm512_set1_epi32(OFFSET);
     const __m512 table = nibble_table(OFFSET);
     const uint8_t* qs = rec + Q_OFF;
     for (int k = 0; k < 32; k += 2) {
@@ -115,16 +132,7 @@ struct Q32F {
       for (int j = 0; j < 3; ++j) {
         const __m512i b = bytes16(qs + (k / 2) * 48 + 16 * j);
         __m512 q0, q1;
-        if (HIGH) {
-          __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi32(b, 4);
-          lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32(h[j], 4), bit4));
-          hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi32(h[j], 3), bit4));
-          h[j] = _mm512_srli_epi32(h[j], 2);
-          if (OFFSET) lo = _mm512_sub_epi32(lo, off), hi = _mm512_sub_epi32(hi, off);
-          q0 = _mm512_cvtepi32_ps(lo), q1 = _mm512_cvtepi32_ps(hi);
-        } else {
-          q0 = low_nibbles(b, table), q1 = low_nibbles(_mm512_srli_epi32(b, 4), table);
-        }
+        nibble_pair<HIGH, OFFSET>(b, h[j], table, q0, q1);
         if (HAS_M) {  // d * q exact: one rounding either way
           w0[j] = _mm512_fmadd_ps(a[j], q0, m[j]);
           w1[j] = _mm512_fmadd_ps(a[j], q1, m[j]);
@@ -174,7 +182,6 @@ struct QKF {
   static INLINE void block(const uint8_t* rec, Fn&& fn) {
     __m512 d[3], dmin[3];
     for (int j = 0; j < 3; ++j) d[j] = half16(rec + 32 * j), dmin[j] = half16(rec + 96 + 32 * j);
-    const __m512i low4 = _mm512_set1_epi32(15), bit4 = _mm512_set1_epi32(16);
     const __m512 table = nibble_table(0);
     for (int g = 0; g < 8; ++g) {
       __m512 a[3], m[3];
@@ -190,15 +197,7 @@ struct QKF {
         for (int j = 0; j < 3; ++j) {
           const __m512i b = bytes16(qs + (k / 2) * 48 + 16 * j);
           __m512 q0, q1;
-          if (HIGH) {
-            __m512i lo = _mm512_and_si512(b, low4), hi = _mm512_srli_epi32(b, 4);
-            lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32(h[j], 4), bit4));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_slli_epi32(h[j], 3), bit4));
-            h[j] = _mm512_srli_epi32(h[j], 2);
-            q0 = _mm512_cvtepi32_ps(lo), q1 = _mm512_cvtepi32_ps(hi);
-          } else {
-            q0 = low_nibbles(b, table), q1 = low_nibbles(_mm512_srli_epi32(b, 4), table);
-          }
+          nibble_pair<HIGH, 0>(b, h[j], table, q0, q1);
           // (d * sc) * q is exact (17 x 5 bits): fused with the subtraction, the same single rounding
           w0[j] = _mm512_fmsub_ps(a[j], q0, m[j]);
           w1[j] = _mm512_fmsub_ps(a[j], q1, m[j]);
