@@ -48,18 +48,20 @@ def test_responses_carry_at_least_the_interval_and_the_same_text(interval_client
     expected = offline_llm.generate(
         PROMPTS[:4], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
     )
+    firsts = []
     for prompt, want in zip(PROMPTS[:4], expected):
         done = _stream(interval_client, prompt)
         assert done.text == want.text, prompt
         counts = [int(d.outputs["num_output_tokens"][0]) for d in done.deltas]
         assert sum(counts) == MAX_TOKENS
-        # The first response goes out with the first text, not after the interval (time to first token is
-        # not delayed); it may carry a token or two more when the responder merged outputs that queued up
-        # while it was sending.
-        assert counts[0] < INTERVAL, counts
+        firsts.append(counts[0])
         assert all(c >= INTERVAL for c in counts[1:-1]), counts  # intermediate responses: >= the interval
         # Every token on its own would be MAX_TOKENS responses; at the interval, about an eighth of that.
         assert len(counts) <= 2 + math.ceil((MAX_TOKENS - 1) / INTERVAL), counts
+    # The first response goes out with the first text, not after the interval (time to first token is not
+    # delayed). It carries more when the responder merged outputs that queued up while the host was busy, so
+    # only one stream of the four must show it; a server that waited for the interval never would.
+    assert min(firsts) < INTERVAL, firsts
 
 
 def test_a_bad_stream_interval_fails_model_load_naming_it(tmp_path):
