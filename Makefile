@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install install-dynamo serve-cluster test-cluster test serve lint bench bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile core-kills aiperf-openai
+.PHONY: install install-dynamo serve-cluster test-cluster test serve lint bench bench-gguf bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile core-kills aiperf-openai
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -41,6 +41,13 @@ bench-peers-served: install
 		$(AIPERF_OPENAI_VENV)/bin/pip install --quiet --disable-pip-version-check aiperf==0.13.0; }
 	@[ -f .cache/vllm-venv/bin/vllm-installed ] || bash benchmarks/peers/vllm_cpu.sh demo --help >/dev/null
 	AIPERF_VENV=$(AIPERF_OPENAI_VENV) $(PY) -m benchmarks.serving.peers_served $(PEERS_SERVED_ARGS)
+
+## The default GGUF served packed, dequantized (bf16, fp32) and by llama.cpp's llama-server (benchmarks/peers/llamacpp.sh builds it), AIPerf at 1 4 16 32 in flight.
+bench-gguf: install
+	@[ -x $(AIPERF_OPENAI_VENV)/bin/aiperf ] || { python3 -m venv $(AIPERF_OPENAI_VENV) && \
+		$(AIPERF_OPENAI_VENV)/bin/pip install --quiet --disable-pip-version-check aiperf==0.13.0; }
+	bash benchmarks/peers/llamacpp.sh
+	AIPERF_VENV=$(AIPERF_OPENAI_VENV) $(PY) -m benchmarks.serving.gguf_served $(GGUF_ARGS)
 
 ## The same trace through tritonserver over gRPC streaming vs in-process.
 bench-serving: install

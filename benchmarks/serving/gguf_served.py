@@ -5,9 +5,9 @@ concurrencies.
     python -m benchmarks.serving.gguf_served                                  # SmolLM2 Q4_1, 1 4 16 32 in flight
     python -m benchmarks.serving.gguf_served --concurrency 1 32 --targets packed llamacpp
 
-llama-server comes from ../shared/peers/setup_llamacpp.sh (LLAMA_SERVER, or $HOME/.cache/llamacpp-peer), run with
-`-np 32 -c 32768 --cont-batching` at `--llamacpp-threads` (1 by default: under AIPerf's spinning client its
-`-t 2` collapses unless OMP_WAIT_POLICY=PASSIVE, which `--llamacpp-threads 2` sets). inflight is measured through
+llama-server comes from `bash benchmarks/peers/llamacpp.sh` (LLAMA_SERVER, or $HOME/.cache/llamacpp-peer),
+run with `-np 32 -c 32768 --cont-batching`, `-t --llamacpp-threads` (default 1) and OMP_WAIT_POLICY=PASSIVE (under
+AIPerf's spinning client, `-t 2` with spinning OpenMP threads collapses to a few tok/s). inflight is measured through
 Triton's HTTP generate_stream, llama-server through its OpenAI completions endpoint; every target gets the same
 seeded synthetic prompts of `--input-tokens` and exactly `--output-tokens` output tokens. Beside tok/s, ITL and
 TTFT, the engine core's resident memory (VmRSS, RssAnon of /proc) and llama-server's are recorded. JSON and a plot
@@ -122,7 +122,7 @@ def run_inflight(args, target: str, gguf: Path, tokenizer: Path, out: Path) -> d
 
 def run_llamacpp(args, gguf: Path, tokenizer: Path, out: Path) -> dict[str, Any]:
     if not LLAMA_SERVER.exists():
-        raise SystemExit(f"no llama-server at {LLAMA_SERVER}: run ../shared/peers/setup_llamacpp.sh")
+        raise SystemExit(f"no llama-server at {LLAMA_SERVER}: run `bash benchmarks/peers/llamacpp.sh`")
     port = free_port()
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     cmd = [str(LLAMA_SERVER), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", "32",
@@ -160,6 +160,8 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     for ax, name, unit in ((left, "Output throughput (higher is better)", "output tokens / s"),
                            (right, "Inter-token latency p50 (lower is better)", "ms")):  # fmt: skip
         ax.set_xscale("log", base=2)
+        levels = sorted({r["concurrency"] for result in results.values() for r in result["rows"]})
+        ax.set_xticks(levels, [str(c) for c in levels])
         ax.set_xlabel("requests in flight")
         ax.set_ylabel(unit)
         ax.set_title(name, fontsize=10)

