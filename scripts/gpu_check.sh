@@ -9,7 +9,7 @@
 # `serving` needs what that machine lacks, carried in .whl/ (listed in .git/info/exclude; ~60 MB, under the
 # device tool's 64 MiB): the nvidia-pytriton 0.7.0 wheel without its Python 3.13 library and the other
 # Pythons' stubs, zipped as pytriton_trim.zip; tritonclient 2.73.0, python-rapidjson, msgspec and pyzmq
-# (cp312; the engine core process talks over ZMQ); numpy
+# (cp312; the engine core process talks over ZMQ), psutil and prometheus-client (the launcher); numpy
 # 1.26.4 for Python 3.12 (the launcher gives the backend stub a numpy-1 environment and installs it from
 # .whl/ there: no network). Fetch them with `pip download --no-deps --only-binary=:all: --python-version
 # 3.12 --platform manylinux_2_17_x86_64 ...`, unzip the pytriton wheel, delete
@@ -25,11 +25,15 @@ PY=${PY:-python3}
 STAGES=${STAGES:-"env kernels engine bench_kernels bench_engine decode_step graphs"}
 ENGINE_MODEL=${ENGINE_MODEL:-llama1b}  # ENGINE_ARGS: more bench_batching arguments (default: --skip overhead)
 status=0
-# The engine itself imports msgspec and pyzmq (its KV events, its core process), which that machine lacks.
+# The engine itself imports msgspec and pyzmq (its KV events, its core process), the launcher psutil and
+# prometheus-client: what that machine lacks of them comes from .whl/.
 site=/tmp/gpu-check-site
 rm -rf "$site" && mkdir -p "$site"
 if compgen -G ".whl/msgspec-*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/msgspec-*.whl .whl/pyzmq-*.whl
+    for extra in .whl/psutil-*.whl .whl/prometheus_client-*.whl; do
+        [ -f "$extra" ] && "$PY" -m pip install -q --no-index --no-deps --target "$site" "$extra"
+    done
     export PYTHONPATH="$site:$PYTHONPATH"
 fi
 
