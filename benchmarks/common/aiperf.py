@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,23 @@ def summarize(out: Path) -> dict[str, Any]:
         "output_tokens_per_s": stat("output_token_throughput"),
         "request_latency_p50_ms": stat("request_latency", "p50"),
     }
+
+
+def require() -> None:
+    if not (VENV / "bin" / "aiperf").exists():
+        raise SystemExit(f"no aiperf in {VENV}: `make aiperf-openai` creates it")
+
+
+def run(name: str, cmd: list[str], out: Path) -> dict[str, Any]:
+    """Run one `profile_command` (its output in out/aiperf.log) and return `summarize(out)`, said in a line."""
+    print(f"  {name}: $ {' '.join(cmd)}", file=sys.stderr, flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "aiperf.log", "w") as log:
+        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
+    summary = summarize(out)
+    said = (
+        f"{summary['output_tokens_per_s']:.1f} output tok/s, ITL p50 {summary['itl_p50_ms']:.1f} ms, "
+        f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms, {summary['errors']} errors"
+    )
+    print(f"  {name}: {said}", file=sys.stderr, flush=True)
+    return summary

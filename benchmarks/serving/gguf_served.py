@@ -28,7 +28,7 @@ from typing import Any
 
 from benchmarks.common import aiperf
 from benchmarks.common.models import resolve_model
-from benchmarks.serving.peers_served import wait_http
+from benchmarks.serving.peers_served import stop_group, wait_http
 from inflight.launcher.server import TritonServer, free_port
 from inflight.model_source import default_model_path
 
@@ -85,22 +85,11 @@ def sweep(args, name: str, url: str, endpoint: list[str], tokenizer: Path, out: 
     rows = []
     for c in args.concurrency:
         where = out / f"c{c}"
-        where.mkdir(parents=True, exist_ok=True)
         cmd = aiperf.profile_command(
             url, endpoint, str(tokenizer), where, max(8, args.requests_per_slot * c), c, args.input_tokens,
             args.output_tokens,
         )  # fmt: skip
-        print(f"  {name} @ {c}: $ {' '.join(cmd)}", file=sys.stderr, flush=True)
-        with open(where / "aiperf.log", "w") as log:
-            subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
-        summary = aiperf.summarize(where) | {"concurrency": c}
-        print(
-            f"  {name} @ {c}: {summary['output_tokens_per_s']:.1f} tok/s, ITL p50 {summary['itl_p50_ms']:.1f} ms, "
-            f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms, {summary['errors']} errors",
-            file=sys.stderr,
-            flush=True,
-        )
-        rows.append(summary)
+        rows.append(aiperf.run(f"{name} @ {c}", cmd, where) | {"concurrency": c})
     return rows
 
 
@@ -137,12 +126,7 @@ def run_llamacpp(args, gguf: Path, tokenizer: Path, out: Path) -> dict[str, Any]
         rows = sweep(args, "llamacpp", f"http://127.0.0.1:{port}", aiperf.openai_endpoint(), tokenizer, out)
         return {"memory": memory, "weight_bytes": None, "rows": rows, "command": " ".join(cmd)}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, signal.SIGTERM)
 
 
 def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
@@ -174,8 +158,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if not (aiperf.VENV / "bin" / "aiperf").exists():
-        raise SystemExit(f"no aiperf in {aiperf.VENV}: `make aiperf-openai` creates it")
+    aiperf.require()
     gguf = (args.gguf or default_model_path()).resolve()
     tokenizer = resolve_model(args.tokenizer)
     args.out.mkdir(parents=True, exist_ok=True)

