@@ -1,10 +1,10 @@
 """Which dtype our CPU GEMM runs faster on this machine, measured once per CPU and layer shape.
 
-AVX512-BF16 alone does not make bf16 the faster dtype: it is on AMD's Zen 4 and with AMX, but on a Xeon
-with AVX512-BF16 and no AMX our fp32 GEMM beat the bf16 one (docs/PERFORMANCE.md). So `dtype="auto"` asks
-the machine: fp32 and bf16 GEMMs of one of the model's layer shapes, at a decode-sized and a prefill-sized
-row count, in turns; the ratio is cached under ~/.cache/inflight (keyed by the build, which carries the
-CPU's flags, and the shape), so a server pays for it once per machine.
+AVX512-BF16 alone does not make bf16 the faster dtype: which one wins depends on the CPU's bf16 throughput
+relative to its fp32 FMAs, which its flags do not say. So `dtype="auto"` asks the machine: fp32 and bf16
+GEMMs of one of the model's layer shapes, at a decode-sized and a prefill-sized row count, in turns; the
+ratio is cached under ~/.cache/inflight (keyed by the build, which carries the CPU's flags, and the shape),
+so a server pays for it once per machine.
 """
 
 from __future__ import annotations
