@@ -15,12 +15,14 @@ import torch
 from torch import nn
 
 from inflight.models.config import ModelConfig
+from inflight.models.lora import LoRASlots
 
 
 class StepMetadata(Protocol):
     """What a layer reads of the executor's AttentionMetadata; the rest it hands on to the backend's ops."""
 
     slot_mapping: torch.Tensor  # [T] int64: the cache slot of each new token's K/V
+    token_lora_slots: torch.Tensor | None  # [T] int32: each token's adapter slot (-1: none); None: no adapter
 
 
 class RMSNormWeight(nn.Module):
@@ -48,6 +50,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNormWeight(d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
+        # Adapter slots of the fused projections (models/lora.py), set where LoRA is enabled
+        self.qkv_lora: LoRASlots | None = None
+        self.o_lora: LoRASlots | None = None
 
     def fuse(self) -> None:
         """q/k/v as one [Hq + 2 Hkv] * D projection: one GEMM reads x once (vLLM's QKVParallelLinear)."""
@@ -60,7 +65,8 @@ class Attention(nn.Module):
     def forward(self, x, positions, meta, kv_cache, cos_sin, ops) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        q, k, v = self.qkv_proj(x).split((q_size, kv_size, kv_size), dim=-1)
+        qkv = _with_lora(self.qkv_proj(x), x, self.qkv_lora, meta, ops)
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
         q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
         if self.qk_norm:
             q = ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps).view(t, -1, d)
@@ -69,7 +75,8 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = ops.attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
-        return self.o_proj(out.reshape(t, self.num_heads * d))
+        out = out.reshape(t, self.num_heads * d)
+        return _with_lora(self.o_proj(out), out, self.o_lora, meta, ops)
 
 
 class MLP(nn.Module):
@@ -78,6 +85,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_lora: LoRASlots | None = None
+        self.down_lora: LoRASlots | None = None
 
     def fuse(self) -> None:
         if hasattr(self, "gate_up_proj"):
@@ -85,8 +94,9 @@ class MLP(nn.Module):
         self.gate_up_proj = _stacked((self.gate_proj, self.up_proj))
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, meta: StepMetadata, ops: Any) -> torch.Tensor:
+        act = ops.silu_and_mul(_with_lora(self.gate_up_proj(x), x, self.gate_up_lora, meta, ops))
+        return _with_lora(self.down_proj(act), act, self.down_lora, meta, ops)
 
 
 class DecoderLayer(nn.Module):
@@ -150,12 +160,19 @@ class LlamaForCausalLM(nn.Module):
             x = layer.self_attn(x, positions, meta, kv_cache, self.cos_sin, ops)
             ln = layer.post_attention_layernorm
             x, residual = ops.fused_add_rms_norm(x, residual, ln.weight, ln.eps)
-            h = layer.mlp(x, ops)
+            h = layer.mlp(x, meta, ops)
         h, _ = ops.fused_add_rms_norm(h, residual, self.model.norm.weight, self.model.norm.eps)
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+
+def _with_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRASlots | None, meta: StepMetadata, ops: Any) -> torch.Tensor:
+    """The base linear's output `y` plus its adapters' deltas for the rows that have one (in place)."""
+    if lora is not None and meta.token_lora_slots is not None:
+        ops.lora_apply(y, x, lora, meta.token_lora_slots)
+    return y
 
 
 def _stacked(parts: tuple[nn.Linear, ...]) -> nn.Linear:

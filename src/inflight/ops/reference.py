@@ -133,3 +133,27 @@ def gguf_embedding(
 ) -> torch.Tensor:
     """The rows `ids` of a GGUF table, dequantized in fp32 and rounded to dtype."""
     return gguf_weight(raw[ids.reshape(-1).long()], qtype, embedding_dim).to(dtype)
+
+
+def lora_apply(
+    out: torch.Tensor,  # [T, N] in the model's dtype: the base linear's output, added to in place
+    x: torch.Tensor,  # [T, K]: the linear's input
+    lora_a: torch.Tensor,  # fp32 [S, L, R, K]: per output slice, per adapter slot, the A rows (zero past its rank)
+    lora_b: torch.Tensor,  # fp32 [L, N, R]: per slot, B with the adapter's scale folded in
+    offsets: torch.Tensor,  # int64 [S+1]: slice s owns outputs offsets[s]:offsets[s+1]
+    token_slots: torch.Tensor,  # int32 [T]: each row's slot, -1 for none (its row is left as it is)
+) -> None:
+    """out[t, slice s] += B[slot] (A[s, slot] x[t]) for every row t with an adapter; the shrink's result stays
+    fp32 and the sum is rounded once into out's dtype (vLLM's punica ops keep the same fp32 intermediate)."""
+    rows = torch.nonzero(token_slots >= 0).flatten()
+    if rows.numel() == 0:
+        return
+    slots = token_slots[rows].long()
+    xf = x[rows].float()
+    acc = out[rows].float()
+    bounds = offsets.tolist()
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        shrunk = torch.einsum("tk,trk->tr", xf, lora_a[s, slots])  # [n, R]
+        acc[:, lo:hi] += torch.einsum("tr,tnr->tn", shrunk, lora_b[slots, lo:hi])
+    out[rows] = acc.to(out.dtype)

@@ -19,6 +19,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32 (unused entries are 0)
     query_start_loc_np: np.ndarray  # host copies so no backend syncs with the device to plan work
     seq_lens_np: np.ndarray
+    # [T] int32: each token's adapter slot (models/lora.py), -1 for none; None when no row of the step has one
+    token_lora_slots: torch.Tensor | None = None
     cache: dict[str, Any] = field(default_factory=dict)  # per-step values a backend derives once, not per layer
 
     @property

@@ -5,11 +5,16 @@ C++ ops and attention takes every query token as a row of one paged op; the plai
 from __future__ import annotations
 
 import numpy as np
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from inflight.executor.attention.metadata import AttentionMetadata
 from inflight.ops import cpu, reference
+
+if TYPE_CHECKING:
+    from inflight.models.lora import LoRASlots
 
 
 class TorchBackend:
@@ -110,6 +115,10 @@ class TorchBackend:
         if self.native and x.device.type == "cpu" and x.stride(-1) == 1:
             return cpu.silu_and_mul(x)
         return reference.silu_and_mul(x)
+
+    def lora_apply(self, out: torch.Tensor, x: torch.Tensor, lora: LoRASlots, token_slots: torch.Tensor) -> None:
+        """out += each row's adapter delta (models/lora.py's LoRASlots), in place."""
+        reference.lora_apply(out, x, lora.a, lora.b, lora.offsets, token_slots)
 
 
 def token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,6 +7,8 @@ on a CPU they run only under `TRITON_INTERPRET=1` (slow, for tests). The per-ste
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from inflight.executor.attention.metadata import AttentionMetadata
@@ -15,6 +17,10 @@ from inflight.ops.triton.paged_attention import AttentionPlan, paged_attention, 
 from inflight.ops.triton.rms_norm import fused_add_rms_norm, rms_norm
 from inflight.ops.triton.rope import rotary_embedding
 from inflight.ops.triton.split_k_decode import device_sm_count, num_kv_splits
+from inflight.ops import reference
+
+if TYPE_CHECKING:
+    from inflight.models.lora import LoRASlots
 
 
 class TritonBackend:
@@ -69,6 +75,10 @@ class TritonBackend:
         """[T, 2I] (gate, up halves of the fused projection) -> silu(gate) * up, [T, I]."""
         gate, up = x.split(x.shape[-1] // 2, dim=-1)
         return torch.nn.functional.silu(gate) * up
+
+    def lora_apply(self, out: torch.Tensor, x: torch.Tensor, lora: LoRASlots, token_slots: torch.Tensor) -> None:
+        """out += each row's adapter delta (models/lora.py's LoRASlots), in place."""
+        reference.lora_apply(out, x, lora.a, lora.b, lora.offsets, token_slots)
 
     @staticmethod
     def plan(
