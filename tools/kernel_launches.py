@@ -30,6 +30,7 @@ KERNELS = {
     "inflight.ops.triton.rms_norm": ["_rms_norm_kernel"],
     "inflight.ops.triton.rope": ["_rope_kernel"],
     "inflight.ops.triton.gguf_gemm": ["_gguf_gemv_kernel", "_gguf_gemm_kernel", "_gguf_embedding_kernel"],
+    "inflight.ops.triton.lora": ["_lora_shrink_kernel", "_lora_expand_kernel"],
 }
 # Triton's launch defaults (CUDAOptions) when a launch does not name them.
 DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3
@@ -272,6 +273,30 @@ def capture_gguf_launches(dtype: str) -> LaunchLog:
     return log
 
 
+def capture_lora_launches(dtype: str) -> LaunchLog:
+    """The LoRA shrink and expand with the decode and the prefill row tile, for a rank under 16 (one 16-wide
+    rank tile, not 16-divisible) and the largest rank (the widest rank tiles), on a 3-slice and a 1-slice
+    linear. Block sizes depend only on the step's token count and the rank, so small linears give every
+    binary up to Triton's 16-divisibility of sizes and strides (the sizes here are 16-divisible, as real
+    models' are)."""
+    import torch
+
+    from inflight.models.lora import LoRASlots
+    from inflight.ops.triton import lora
+
+    gen = torch.Generator().manual_seed(0)
+    in_features, max_loras = 64, 2
+    with record_launches() as log:
+        for rank, slices in ((8, (32, 16, 16)), (512, (32,))):
+            slots = LoRASlots.empty(slices, in_features, max_loras, rank, torch.device("cpu"))
+            for tokens in (3, lora.DECODE_MAX_TOKENS + 1):
+                x = torch.randn(tokens, in_features, generator=gen).to(getattr(torch, dtype))
+                out = torch.zeros(tokens, sum(slices), dtype=x.dtype)
+                token_slots = torch.arange(tokens, dtype=torch.int32) % (max_loras + 1) - 1
+                lora.lora_apply(out, x, slots.a, slots.b, slots.offsets, token_slots)
+    return log
+
+
 def with_merge_widths(specs: list[Launch]) -> list[Launch]:
     """Adds the merge kernel for every split count the engine can pick (SPLITS_PAD = next power of
     two of 2..MAX_SPLITS): which one a step takes depends on batch size and context length."""
@@ -312,8 +337,10 @@ def as_dtype(spec: Launch, src: str, dst: str) -> Launch:
     return Launch(spec.kernel, params, spec.num_warps, spec.num_stages, spec.grid, tags)
 
 
-# The GGUF kernels' runs (tagged "gguf/<dtype>"), bfloat16 derived from float16 as for the engine runs.
+# The GGUF and LoRA kernels' runs (tagged "gguf/<dtype>", "lora/<dtype>"), bfloat16 derived from float16 as
+# for the engine runs.
 GGUF_CAPTURE_DTYPES = ["float32", "float16"]
+LORA_CAPTURE_DTYPES = ["float32", "float16"]
 
 # (checkpoint, dtype) runs: the demo model in float32 (its checkpoint dtype, what `make serve` runs on
 # a GPU) and float16; the real geometries in float16. bfloat16 is derived from float16 (the
@@ -322,18 +349,21 @@ CAPTURE_RUNS = [("demo", "float32"), ("demo", "float16"), ("llama3_8b", "float16
 
 
 def capture_all(work_dir: str | Path, demo_dir: str | Path | None = None) -> tuple[list[Launch], dict[str, LaunchLog]]:
-    """Every specialization of CAPTURE_RUNS and GGUF_CAPTURE_DTYPES plus their bf16 twins, tagged
-    "<model>/<dtype>", and each run's launch log."""
+    """Every specialization of CAPTURE_RUNS, GGUF_CAPTURE_DTYPES and LORA_CAPTURE_DTYPES plus their bf16
+    twins, tagged "<model>/<dtype>", and each run's launch log."""
     from inflight.demo_model import ensure_demo_model
 
     work = Path(work_dir)
     demo = Path(demo_dir) if demo_dir else ensure_demo_model(work / "demo")
     specs: dict[str, Launch] = {}
     logs: dict[str, LaunchLog] = {}
-    for model, dtype in CAPTURE_RUNS + [("gguf", d) for d in GGUF_CAPTURE_DTYPES]:
+    runs = CAPTURE_RUNS + [("gguf", d) for d in GGUF_CAPTURE_DTYPES] + [("lora", d) for d in LORA_CAPTURE_DTYPES]
+    for model, dtype in runs:
         short = {"float32": "fp32", "float16": "fp16"}[dtype]
         if model == "gguf":
             log = logs[f"{model}/{short}"] = capture_gguf_launches(dtype)
+        elif model == "lora":
+            log = logs[f"{model}/{short}"] = capture_lora_launches(dtype)
         else:
             model_dir = geometry_checkpoint(model, demo, work / f"1layer-{model}")
             log = logs[f"{model}/{short}"] = capture_engine_launches(model_dir, dtype)

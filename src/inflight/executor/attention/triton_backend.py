@@ -13,11 +13,11 @@ import torch
 
 from inflight.executor.attention.metadata import AttentionMetadata
 from inflight.ops.triton.kv_write import write_kv
+from inflight.ops.triton.lora import LoRAKernelMeta, lora_apply, lora_kernel_meta
 from inflight.ops.triton.paged_attention import AttentionPlan, paged_attention, plan_attention
 from inflight.ops.triton.rms_norm import fused_add_rms_norm, rms_norm
 from inflight.ops.triton.rope import rotary_embedding
 from inflight.ops.triton.split_k_decode import device_sm_count, num_kv_splits
-from inflight.ops import reference
 
 if TYPE_CHECKING:
     from inflight.models.lora import LoRASlots
@@ -77,8 +77,19 @@ class TritonBackend:
         return torch.nn.functional.silu(gate) * up
 
     def lora_apply(self, out: torch.Tensor, x: torch.Tensor, lora: LoRASlots, token_slots: torch.Tensor) -> None:
-        """out += each row's adapter delta (models/lora.py's LoRASlots), in place."""
-        reference.lora_apply(out, x, lora.a, lora.b, lora.offsets, token_slots)
+        """out += each row's adapter delta (models/lora.py's LoRASlots), in place. The rows' grouping by slot
+        is made on the step's first call and reused while the same `token_slots` tensor comes back unchanged
+        (its version counter) and the stream is in the same capture state: a CUDA graph capture makes its own,
+        inside the graph, rather than reusing the warm-up's."""
+        max_loras = lora.a.shape[1]
+        key = (token_slots._version, max_loras, torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+        cached: tuple[torch.Tensor, tuple, LoRAKernelMeta] | None = getattr(self, "_lora_meta", None)
+        if cached is not None and cached[0] is token_slots and cached[1] == key:
+            meta = cached[2]
+        else:
+            meta = lora_kernel_meta(token_slots, max_loras)
+            self._lora_meta = (token_slots, key, meta)
+        lora_apply(out, x, lora.a, lora.b, lora.offsets, token_slots, meta)
 
     @staticmethod
     def plan(
