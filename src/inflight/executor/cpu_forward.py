@@ -55,6 +55,14 @@ class CpuForward:
             self.weights += [*gemm(attn.o_proj, i, 1), layer.post_attention_layernorm.weight]
             self.weights += [*gemm(mlp.gate_up_proj, i, 2), *gemm(mlp.down_proj, i, 3)]
         self.weights = [w.detach() for w in self.weights]
+        # Adapter slots (a, b, offsets) per layer and GEMM, three empty tensors where a linear has none: the
+        # slots are written in place as adapters load, so these references stay current.
+        no_lora = [torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.int64)]
+        self.lora: list[torch.Tensor] = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for slots in (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora):
+                self.lora += no_lora if slots is None else [slots.a, slots.b, slots.offsets]
         self.segment_table = torch.tensor(table, dtype=torch.int64).reshape(-1, 5)
         self.kv_caches = [c for pair in kv_caches for c in pair]
         self.scale = cfg.head_dim**-0.5
@@ -85,7 +93,7 @@ class CpuForward:
         return cpu.llama_forward(
             out, h, positions, cos, sin, meta.slot_mapping, *rows, self.weights, self.kv_caches,
             self.model.model.norm.weight, self.dims, self.eps, self.qk_eps, self.scale,
-            self.segments, self.segment_table,
+            self.segments, self.segment_table, self.lora, meta.token_lora_slots,
         )  # fmt: skip
 
 

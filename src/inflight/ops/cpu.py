@@ -153,7 +153,22 @@ def gumbel_argmax(
     return out
 
 
+def lora_apply(
+    out: torch.Tensor,  # [T, N] fp32/bf16, rows contiguous: the base linear's output, added to in place
+    x: torch.Tensor,  # [T, K], out's dtype: the linear's input
+    a: torch.Tensor,  # fp32 [S, L, R, K]: per output slice and slot, the A rows
+    b: torch.Tensor,  # fp32 [L, N, R]: per slot, B with the adapter's scale folded in
+    offsets: torch.Tensor,  # int64 [S+1]: slice s owns outputs offsets[s]:offsets[s+1]
+    token_slots: torch.Tensor,  # int32 [T]: each row's slot, -1 for none (its row is left as it is)
+) -> None:
+    """out[t, slice s] += B[slot] (A[s, slot] x[t]) for each row with an adapter: the shrink in fp32, the sum
+    rounded once to out's dtype (`reference.lora_apply`'s semantics), each row in a fixed order."""
+    with record("lora_apply"):
+        (_module or load()).lora_apply(out, x, a, b, offsets, token_slots, MIN_MACS_PER_THREAD)
+
+
 _NO_SEGMENTS = torch.empty((0, 5), dtype=torch.int64)
+_NO_SLOTS = torch.empty(0, dtype=torch.int32)
 
 
 def llama_forward(
@@ -174,14 +189,18 @@ def llama_forward(
     scale: float,
     segments: list[torch.Tensor] | None = None,  # GGUF-packed weights of the GEMMs whose slot is empty
     segment_table: torch.Tensor | None = None,  # int64 [segments, 5]: (layer, gemm 0-3, qtype, start, N) each
+    lora: list[torch.Tensor] | None = None,  # (a, b, offsets) per layer and gemm 0-3 (three empty tensors: none)
+    token_slots: torch.Tensor | None = None,  # int32 [T]: each token's adapter slot, -1 for none; None: no adapter
 ) -> torch.Tensor:
     """The Llama layer stack as one call a step; returns `out`."""
     if segment_table is None:
         segments, segment_table = [], _NO_SEGMENTS
+    if token_slots is None:
+        token_slots = _NO_SLOTS
     with record("llama_forward"):
         (_module or load()).llama_forward(
             out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches, final_norm,
-            *dims, eps, qk_eps, scale, segments, segment_table,
+            *dims, eps, qk_eps, scale, segments, segment_table, lora or [], token_slots,
         )  # fmt: skip
     return out
 

@@ -4,9 +4,9 @@ C++ ops and attention takes every query token as a row of one paged op; the plai
 
 from __future__ import annotations
 
-import numpy as np
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -118,6 +118,16 @@ class TorchBackend:
 
     def lora_apply(self, out: torch.Tensor, x: torch.Tensor, lora: LoRASlots, token_slots: torch.Tensor) -> None:
         """out += each row's adapter delta (models/lora.py's LoRASlots), in place."""
+        if (
+            self.native
+            and out.device.type == "cpu"
+            and out.dtype in (torch.float32, torch.bfloat16)
+            and x.dtype == out.dtype
+            and out.stride(-1) == 1
+            and x.stride(-1) == 1
+        ):
+            cpu.lora_apply(out, x, lora.a, lora.b, lora.offsets, token_slots)
+            return
         reference.lora_apply(out, x, lora.a, lora.b, lora.offsets, token_slots)
 
 

@@ -22,5 +22,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports_f32", torch::wrap_pybind_function(supports_f32), "supports_f32");
   m.def("supports_bf16", torch::wrap_pybind_function(supports_bf16), "supports_bf16");
   m.def("amx_for", torch::wrap_pybind_function(amx_for), "amx_for");
+  m.def("lora_apply", torch::wrap_pybind_function(lora_apply), "lora_apply");
   m.def("llama_forward", torch::wrap_pybind_function(llama_forward), "llama_forward");
 }

@@ -84,6 +84,8 @@ struct Step {
   const S* final_norm;
   std::vector<const void*> w;                    // L * WEIGHTS_PER_LAYER (nullptr where absent)
   std::vector<std::vector<QuantSegment>> quant;  // L * GEMMS_PER_LAYER: empty where the slot is packed panels
+  std::vector<LoraWeights> lora;                 // L * GEMMS_PER_LAYER: a == nullptr where a GEMM has no adapters
+  const int32_t* lora_slots;                     // [T]: each row's adapter slot, -1 for none; nullptr: no adapter row
   std::vector<S*> k_caches, v_caches;
   S *h, *x, *qkv, *att, *gu, *act, *dn;
   std::atomic<int64_t>* attn_next;  // [L]: the next unclaimed attention task of each layer
@@ -107,6 +109,13 @@ struct Step {
                   static_cast<const G*>(b_), b, e);
   }
 
+  // The adapters' deltas on this thread's rows of GEMM g's output, after the barrier that ends the GEMM: the
+  // per-op lora_apply's row function. The op that follows reads only these rows, so no barrier is needed before it.
+  void add_lora(int64_t l, int g, const S* in, int64_t ldi, S* out, int64_t ldo, int64_t rb, int64_t re) {
+    const LoraWeights& lw = lora[l * GEMMS_PER_LAYER + g];
+    if (lora_slots != nullptr && lw.a != nullptr) lora_rows<S>(out, ldo, in, ldi, lw, lora_slots, rb, re);
+  }
+
   void run(int tid, int nt) {
     const int64_t Nqkv = (Hq + 2 * Hkv) * D;
     int64_t rb, re;  // this thread's rows
@@ -125,6 +134,7 @@ struct Step {
       bar.wait(nt);
       gemm(l, 0, xin, T, lw[1], lw[2], Nqkv, H, qkv, tid, nt);
       bar.wait(nt);
+      add_lora(l, 0, xin, H, qkv, Nqkv, rb, re);
       if (lw[3] != nullptr) {  // Qwen3: RMSNorm over each head of q and k
         for (int64_t t = rb; t < re; ++t) {
           S* q = qkv + t * Nqkv;
@@ -149,14 +159,17 @@ struct Step {
       bar.wait(nt);
       gemm(l, 1, att, T, lw[5], lw[6], H, Hq * D, x, tid, nt);
       bar.wait(nt);
+      add_lora(l, 1, att, Hq * D, x, H, rb, re);
       rms_norm_rows<S>(x, H, x, H, res, H, static_cast<const S*>(lw[7]), H, eps, rb, re);
       bar.wait(nt);
       gemm(l, 2, x, T, lw[8], lw[9], 2 * I, H, gu, tid, nt);
       bar.wait(nt);
+      add_lora(l, 2, x, H, gu, 2 * I, rb, re);
       silu_and_mul_rows<S>(act, I, gu, 2 * I, I, rb, re);
       bar.wait(nt);
       gemm(l, 3, act, T, lw[10], lw[11], H, I, dn, tid, nt);
       bar.wait(nt);
+      add_lora(l, 3, act, I, dn, H, rb, re);  // the next layer's norm (or the final one) reads these rows
     }
     rms_norm_rows<S>(dn, H, dn, H, res, H, final_norm, H, eps, rb, re);
   }
@@ -167,7 +180,8 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
                          at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                          const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
                          const std::vector<std::vector<QuantSegment>>& quant, at::Tensor final_norm, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale) {
+                         int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
+                         const std::vector<LoraWeights>& lora, const int32_t* lora_slots) {
   const int64_t T = h.size(0), H = h.size(1), L = (int64_t)kv_caches.size() / 2;
   const auto opt = h.options();
   at::Tensor x = at::empty({T, H}, opt), qkv = at::empty({T, (Hq + 2 * Hkv) * D}, opt);
@@ -181,6 +195,8 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
   st.final_norm = final_norm.data_ptr<S>();
   for (const at::Tensor& t : weights) st.w.push_back(t.numel() ? t.data_ptr() : nullptr);
   st.quant = quant;
+  st.lora = lora;
+  st.lora_slots = lora_slots;
   for (int64_t l = 0; l < L; ++l) {
     st.k_caches.push_back(kv_caches[2 * l].data_ptr<S>());
     st.v_caches.push_back(kv_caches[2 * l + 1].data_ptr<S>());
@@ -226,7 +242,8 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
                    at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
-                   std::vector<at::Tensor> segments, at::Tensor segment_table) {
+                   std::vector<at::Tensor> segments, at::Tensor segment_table, std::vector<at::Tensor> lora,
+                   at::Tensor token_slots) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && out.is_contiguous() && out.sizes() == h.sizes() &&
                   out.scalar_type() == h.scalar_type(),
               "h, out: contiguous [T, H]");
@@ -309,17 +326,33 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
       TORCH_CHECK(blk >= 0 && blk < blocks, "a block id outside the cache");
     }
   }
+  // LoRA: (a, b, offsets) per layer and GEMM, three empty tensors where a GEMM has none (or no list at all);
+  // an empty token_slots: no row has an adapter this step, and no LoRA work is done.
+  TORCH_CHECK(lora.empty() || (int64_t)lora.size() == 3 * L * GEMMS_PER_LAYER, "lora: 3 tensors per layer and GEMM");
+  std::vector<LoraWeights> lora_w(L * GEMMS_PER_LAYER, LoraWeights{nullptr, nullptr, nullptr, 0, 0, 0, 0, 0});
+  const int32_t* lora_slots = nullptr;
+  if (token_slots.numel() && !lora.empty()) {
+    for (int64_t i = 0; i < L * GEMMS_PER_LAYER; ++i) {
+      const at::Tensor* t = lora.data() + 3 * i;
+      if (!t[0].numel()) continue;
+      const int64_t* g = gemm_shapes[i % GEMMS_PER_LAYER];
+      lora_w[i] = lora_weights(t[0], t[1], t[2], g[2], g[1]);
+      check_lora_slots(token_slots, T, lora_w[i].L);
+      lora_slots = token_slots.data_ptr<int32_t>();
+    }
+  }
   if (T == 0) return;
   if (dt == at::kFloat) {
 #ifdef __AVX512F__
     forward_impl<float, float>(out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches,
-                               quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
+                               quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale, lora_w, lora_slots);
     return;
 #endif
   } else if (dt == at::kBFloat16) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     forward_impl<c10::BFloat16, uint16_t>(out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights,
-                                          kv_caches, quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale);
+                                          kv_caches, quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale, lora_w,
+                                          lora_slots);
     return;
 #endif
   }

@@ -32,11 +32,14 @@ void gguf_embedding_rows(at::Tensor out, at::Tensor ids, at::Tensor packed, int6
 bool supports_f32();
 bool supports_bf16();
 bool amx_for(int64_t K);
+void lora_apply(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor offsets, at::Tensor token_slots,
+                int64_t min_macs_per_thread);
 void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                    at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
-                   std::vector<at::Tensor> segments, at::Tensor segment_table);
+                   std::vector<at::Tensor> segments, at::Tensor segment_table, std::vector<at::Tensor> lora,
+                   at::Tensor token_slots);
 
 // ---- bodies over rows begin..end; inputs already checked (nothing here throws) ----
 template <typename T>
@@ -49,6 +52,23 @@ void write_kv_rows(char* kc, char* vc, const char* kp, int64_t ks, const char* v
                    int64_t row_bytes, int64_t begin, int64_t end);
 template <typename T>
 void silu_and_mul_rows(T* op, int64_t os, const T* xp, int64_t xs, int64_t I, int64_t begin, int64_t end);
+
+// One linear's adapter slots (models/lora.py's LoRASlots): A fp32 [S, L, R, K], B fp32 [L, N, R] with the scale
+// folded in; slice s owns outputs offsets[s]..offsets[s + 1].
+struct LoraWeights {
+  const float* a;
+  const float* b;
+  const int64_t* offsets;
+  int64_t S, L, R, K, N;
+};
+constexpr int64_t MAX_LORA_RANK = 512;  // vLLM's largest max_lora_rank: a row's shrink result stays on the stack
+// out's rows begin..end += their adapter's delta (slots[row] >= 0; -1 rows untouched): lora_apply's body.
+template <typename T>
+void lora_rows(T* out, int64_t os, const T* x, int64_t xs, const LoraWeights& w, const int32_t* slots, int64_t begin,
+               int64_t end);
+// The checked view of a linear's slots for x [T, K] -> out [T, N], and each row's slot in -1..L-1 (these throw).
+LoraWeights lora_weights(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t K, int64_t N);
+void check_lora_slots(const at::Tensor& token_slots, int64_t T, int64_t L);
 
 void check_positions(const int64_t* pos, int64_t n, int64_t max_pos);
 void check_slots(const int64_t* slots, int64_t n, int64_t num_slots);
