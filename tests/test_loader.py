@@ -141,3 +141,14 @@ def test_half_dtypes_load_and_run(demo_model_dir, dtype):
     model, cfg = load_model(demo_model_dir, dtype, "cpu")
     assert model.model.embed_tokens.weight.dtype == dtype and model.model.norm.weight.dtype == dtype
     assert torch.isfinite(engine_logits(demo_model_dir, [1, 2, 3])).all()
+
+
+def test_weight_bytes_counts_a_onednn_packed_linear(monkeypatch):
+    # Where our GEMM does not run (no AVX-512) a linear's weight is an opaque oneDNN tensor: no storage to read
+    from inflight.models import packed_linear
+    from inflight.models.loader import weight_bytes
+
+    monkeypatch.setattr(packed_linear.cpu, "gemm_supports", lambda dtype, in_features: False)
+    packed = packed_linear.PackedLinear(torch.nn.Linear(32, 40, bias=False))
+    assert not packed.own_gemm
+    assert weight_bytes(packed) == 32 * 40 * 4

@@ -15,6 +15,7 @@ SCHEDULING_POLICIES = ("continuous", "static")
 KV_RESERVATIONS = ("paged", "max_length")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 WEIGHT_FORMATS = ("auto", "packed", "dequantized")
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed values of max_lora_rank
 
 
 class ConfigError(ValueError):
@@ -220,6 +221,14 @@ class EngineConfig:
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # Speculative decoding (off when None): a dict or its JSON text, held as a SpeculativeConfig once checked.
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    # Multi-LoRA (vLLM's names): adapters resident at once in the device's slots (LRU), their largest rank,
+    # adapters kept read in host memory (LRU; default max_loras), and the adapters known at start-up: name ->
+    # PEFT adapter directory (Triton's multi_lora.json), a dict or its JSON text.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: dict[str, str] | str | None = None
     # Bounds on what one request may cost (errors name the field and the limit).
     max_logprobs: int = 20  # most top logprobs per token a request may ask for (vLLM's default)
     max_stop_strings: int = 64
@@ -272,6 +281,7 @@ class EngineConfig:
         check(self.weight_format in WEIGHT_FORMATS, "weight_format", ", ".join(WEIGHT_FORMATS))
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self._check_lora(check)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -284,6 +294,29 @@ class EngineConfig:
             self._check_interpreted_dtype(DTYPES[self.dtype])
         if self.kv_cache_memory_bytes is None and self.num_kv_blocks is None and self.device == "cpu":
             self.kv_cache_memory_bytes = _default_kv_bytes()
+
+    def _check_lora(self, check: Callable[[bool, str, str], None]) -> None:
+        check(self.max_loras >= 1, "max_loras", ">= 1")
+        check(self.max_lora_rank in LORA_RANKS, "max_lora_rank", f"one of {', '.join(map(str, LORA_RANKS))}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        check(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", f">= max_loras={self.max_loras}")
+        modules = self.lora_modules
+        if isinstance(modules, str):
+            if not modules.strip():
+                modules = None
+            else:
+                try:
+                    modules = json.loads(modules)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"lora_modules is not valid JSON ({e}): {modules[:200]!r}") from None
+        modules = modules or {}
+        pairs = modules.items() if isinstance(modules, dict) else ()
+        if not isinstance(modules, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
+            raise ConfigError('lora_modules must map adapter names to adapter directories: {"name": "/path", ...}')
+        if modules and not self.enable_lora:
+            raise ConfigError(f"lora_modules names {len(modules)} adapter(s) but enable_lora is off")
+        self.lora_modules = modules
 
     def _check_interpreted_dtype(self, dtype: torch.dtype) -> None:
         # The Triton interpreter computes bf16 through numpy, which has no bf16: the results are garbage.

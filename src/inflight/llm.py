@@ -15,6 +15,7 @@ from tqdm.auto import tqdm
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
 from inflight.errors import ErrorKind, InvalidRequestError
+from inflight.lora_request import LoRARequest
 from inflight.outputs import CompletionOutput, RequestOutput
 from inflight.sampling_params import SamplingParams
 from inflight.text.output_processor import RequestState, process_outputs
@@ -46,10 +47,15 @@ class LLM:
     # ---- one step at a time (vLLM's LLMEngine: the engine and the output processor) -------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None, priority: int = 0
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = params or SamplingParams()
-        self.engine.add_request(request_id, prompt, params, priority=priority)
+        self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
         self._requests[request_id] = params
 
     def abort_request(self, request_id: str) -> None:
@@ -86,8 +92,10 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: Seq[int] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. `lora_request`: one adapter for every
+        prompt, or one (or None: the base model) per prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -98,13 +106,18 @@ class LLM:
                 raise InvalidRequestError(
                     f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts; give one or one each"
                 )
+        loras = [lora_request] * len(prompts) if not isinstance(lora_request, Seq) else list(lora_request)
+        if len(loras) != len(prompts):
+            raise InvalidRequestError(
+                f"lora_request has {len(loras)} entries for {len(prompts)} prompts; give one or one each"
+            )
         ids: list[str] = []
         results: dict[str, _Accumulator] = {}
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list)):
                 rid = f"gen-{self._next_id}"
                 self._next_id += 1
-                self.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                self.add_request(rid, prompt, params, priority=priority[i] if priority else 0, lora_request=loras[i])
                 ids.append(rid)
             results = {rid: _Accumulator(rid) for rid in ids}
             show = len(ids) >= 8 if use_tqdm is None else use_tqdm

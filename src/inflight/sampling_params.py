@@ -240,28 +240,33 @@ class SamplingParams:
     @classmethod
     def from_json(cls, text: str, max_bytes: int = 256 << 10, max_depth: int = 64) -> SamplingParams:
         """Parse a JSON object, bounded in size (checked before parsing) and nesting."""
-        size = len(text.encode("utf-8")) if len(text) * 4 > max_bytes else len(text)
-        if size > max_bytes:
-            raise InvalidRequestError(
-                f"sampling_parameters is {size} bytes: the limit is max_sampling_parameters_bytes={max_bytes}",
-                "sampling_parameters",
-                ErrorKind.LIMIT,
-            )
-        try:
-            data = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as e:
-            raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}", "sampling_parameters") from None
-        except RecursionError:
-            data, depth = None, max_depth + 1
-        else:
-            depth = json_depth(data, max_depth + 1)
-        if depth > max_depth:
-            raise InvalidRequestError(
-                f"sampling_parameters nests more than {max_depth} levels deep: the limit is max_json_depth={max_depth}",
-                "sampling_parameters",
-                ErrorKind.LIMIT,
-            )
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, max_bytes, max_depth))
+
+
+def parse_json(text: str, max_bytes: int = 256 << 10, max_depth: int = 64) -> Any:
+    """sampling_parameters' JSON text, bounded in size (checked before parsing) and nesting."""
+    size = len(text.encode("utf-8")) if len(text) * 4 > max_bytes else len(text)
+    if size > max_bytes:
+        raise InvalidRequestError(
+            f"sampling_parameters is {size} bytes: the limit is max_sampling_parameters_bytes={max_bytes}",
+            "sampling_parameters",
+            ErrorKind.LIMIT,
+        )
+    try:
+        data = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"sampling_parameters is not valid JSON: {e}", "sampling_parameters") from None
+    except RecursionError:
+        data, depth = None, max_depth + 1
+    else:
+        depth = json_depth(data, max_depth + 1)
+    if depth > max_depth:
+        raise InvalidRequestError(
+            f"sampling_parameters nests more than {max_depth} levels deep: the limit is max_json_depth={max_depth}",
+            "sampling_parameters",
+            ErrorKind.LIMIT,
+        )
+    return data
 
 
 def json_depth(value: Any, cap: int) -> int:

@@ -32,6 +32,7 @@ from inflight.engine import core_messages
 from inflight.engine.stats import EngineSnapshot, IterationStats, SchedulerStats
 from inflight.errors import ErrorKind, InvalidRequestError
 from inflight.log import setup as log_setup
+from inflight.lora_request import LoRARequest
 
 log = logging.getLogger("inflight.engine.core")
 
@@ -104,6 +105,8 @@ class EngineCore:
                 vocab_size=engine.model_config.vocab_size,
                 dtype=str(engine.dtype).removeprefix("torch."),
                 model_weight_bytes=engine.model_weight_bytes,
+                lora_names=engine.list_loras(),
+                max_loras=engine.config.max_loras if engine.lora is not None else 0,
             )
         )
         log.info("engine core ready (pid %d)", os.getpid())
@@ -148,6 +151,8 @@ class EngineCore:
                     if request_id in self.active:
                         self.active.discard(request_id)
                         self.engine.abort_request(request_id)  # frees its KV blocks now
+            elif isinstance(message, core_messages.LoRAAdmin):
+                answers.append(self.lora_admin(message))
             else:
                 answer = self.add(message)
                 if answer is not None:
@@ -160,7 +165,10 @@ class EngineCore:
             return core_messages.Output.failure(req.request_id, ErrorKind.UNAVAILABLE, message)
         try:
             params = req.sampling_params()
-            self.engine.add_request(req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority)
+            lora = LoRARequest(req.lora_name) if req.lora_name is not None else None
+            self.engine.add_request(
+                req.request_id, req.prompt_token_ids, params, req.arrival_time, req.priority, lora_request=lora
+            )
         except InvalidRequestError as e:
             return core_messages.Output.failure(req.request_id, e.kind, str(e), e.field)
         except Exception as e:
@@ -169,6 +177,20 @@ class EngineCore:
             return core_messages.Output.failure(req.request_id, ErrorKind.INTERNAL, message)
         self.active.add(req.request_id)
         return None
+
+    def lora_admin(self, req: core_messages.LoRAAdmin) -> core_messages.Output:
+        """Load or unload an adapter between steps; the answer finishes the admin request's id."""
+        try:
+            if req.action == "load":
+                self.engine.add_lora(LoRARequest(req.lora_name, lora_path=req.lora_path))
+            elif req.action == "unload":
+                self.engine.remove_lora(req.lora_name)
+            else:
+                raise InvalidRequestError(f"action={req.action!r} is invalid: must be load or unload", "action")
+        except InvalidRequestError as e:
+            return core_messages.Output.failure(req.request_id, e.kind, str(e), e.field)
+        log.info("LoRA adapter %r %sed", req.lora_name, req.action)
+        return core_messages.Output(req.request_id, [], finished=True, finish_reason="stop")
 
     def step(self) -> list[core_messages.Output]:
         steps_before = self.engine.num_steps

@@ -1,6 +1,7 @@
 """What the front and the engine core process say to each other (msgpack via msgspec, over ZMQ).
 
-Front -> core: `AddRequest` and `Abort`. Core -> front: `Ready` once after start, then one `StepOutputs`
+Front -> core: `AddRequest`, `Abort` and `LoRAAdmin` (load or unload an adapter; answered by an `Output` that
+finishes its request id, with an error if refused). Core -> front: `Ready` once after start, then one `StepOutputs`
 per step (every request's delta of that step, and at most every ~0.25 s the engine's stats: its state and
 its counts since the previous stats), and `Broken` if the engine cannot go on. Per-step structs are
 array-like with defaults omitted: small and quick to encode.
@@ -26,10 +27,19 @@ class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
     params: bytes  # a pickled SamplingParams (nested, optional parts; pickled once per request)
     arrival_time: float
     priority: int = 0
+    lora_name: str | None = None  # the LoRA adapter it runs with (None: the base model)
 
     @classmethod
-    def make(cls, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival: float, priority=0):
-        return cls(request_id, prompt_token_ids, pickle.dumps(params, protocol=5), arrival, priority)
+    def make(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: float,
+        priority=0,
+        lora_name: str | None = None,
+    ):
+        return cls(request_id, prompt_token_ids, pickle.dumps(params, protocol=5), arrival, priority, lora_name)
 
     def sampling_params(self) -> SamplingParams:
         return pickle.loads(self.params)
@@ -37,6 +47,13 @@ class AddRequest(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
 
 class Abort(msgspec.Struct, array_like=True, tag=True):
     request_ids: list[str]
+
+
+class LoRAAdmin(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    request_id: str
+    action: str  # "load" | "unload"
+    lora_name: str
+    lora_path: str | None = None
 
 
 # ---- core -> front ----------------------------------------------------------------------------------
@@ -130,6 +147,8 @@ class Ready(msgspec.Struct, array_like=True, tag=True):
     vocab_size: int
     dtype: str
     model_weight_bytes: int  # bytes of the weights the core holds (packed GGUF blocks as they are)
+    lora_names: list[str] = []  # the LoRA adapters registered at start-up
+    max_loras: int = 0  # 0: LoRA is off
 
 
 class StepOutputs(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
@@ -144,5 +163,5 @@ class Broken(msgspec.Struct, array_like=True, tag=True):
     reason: str
 
 
-ToCore = AddRequest | Abort
+ToCore = AddRequest | Abort | LoRAAdmin
 FromCore = Ready | StepOutputs | Broken

@@ -22,6 +22,7 @@ from inflight.config import ConfigError, EngineConfig
 from inflight.engine.isolation import run_isolating
 from inflight.engine.kv_cache import BlockManager
 from inflight.engine.kv_events import AllBlocksCleared, ZmqEventPublisher
+from inflight.engine.lora import LoRAManager
 from inflight.engine.scheduler import Scheduler, SchedulerOutput, request_output
 from inflight.engine.sequence import FinishReason, Sequence
 from inflight.engine.spec_decode.decoder import SpecDecodeCounters, SpecDecoder
@@ -32,9 +33,11 @@ from inflight.errors import InvalidRequestError
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
 from inflight.limits import default_max_prompt_bytes, resolve_max_model_len
+from inflight.lora_request import LoRARequest
 from inflight.model_source import resolve_model
 from inflight.models.config import ModelConfig, config_errors
 from inflight.models.loader import load_model, load_tokenizer, weight_bytes
+from inflight.models.lora import AdapterError
 from inflight.ops import dtype_probe
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import SamplingParams
@@ -75,6 +78,13 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
         self.max_prompt_bytes = config.max_prompt_bytes or default_max_prompt_bytes(self.max_model_len)
         self.eos_token_ids = set(mc.eos_token_ids)
+        # Before the runner: CPU layer stacks and CUDA graphs take the adapter slots as they find them.
+        self.lora = LoRAManager(self.model, mc, config) if config.enable_lora else None
+        for name, path in (config.lora_modules or {}).items():
+            try:
+                self.lora.add(name, path)
+            except AdapterError as e:
+                raise ConfigError(str(e)) from None
 
         self.num_kv_blocks = self._num_kv_blocks()
         block_size = config.block_size
@@ -144,11 +154,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
+        """`lora_request`: run it with that adapter (by name; one with a path not yet known is registered)."""
         params = params or SamplingParams()
         if request_id in self._seqs:
             raise InvalidRequestError(f"request_id={request_id!r} is already in flight")
         check_params(self.config, params)
+        adapter = self._adapter_for(lora_request)
         if isinstance(prompt, str):
             token_ids = self.tokenize(prompt)
         else:
@@ -163,6 +176,8 @@ class LLMEngine:
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
             priority=priority,
         )
+        if adapter is not None:
+            seq.lora_name, seq.lora_id, seq.lora_key = adapter.name, adapter.lora_id, adapter.cache_key
         self._seqs[request_id] = seq
         try:
             if params.structured_outputs is not None:
@@ -173,6 +188,47 @@ class LLMEngine:
             self.structured_outputs.remove(request_id)
             raise
         self.num_prompt_tokens += len(token_ids)
+
+    def _adapter_for(self, lora_request: LoRARequest | None):
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError(
+                f"lora_name={lora_request.lora_name!r}: LoRA is not enabled on this model (enable_lora)", "lora_name"
+            )
+        if lora_request.lora_path is not None and lora_request.lora_name not in self.lora.adapters:
+            self.add_lora(lora_request)
+        return self.lora.check_name(lora_request.lora_name)
+
+    # ---- adapters ----------------------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Register an adapter by name and directory (InvalidRequestError names it and why it is refused)."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled on this model (enable_lora)", "lora_name")
+        if lora_request.lora_path is None:
+            raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r}: lora_path is required", "lora_path")
+        try:
+            self.lora.add(lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id)
+        except AdapterError as e:
+            raise InvalidRequestError(str(e), "lora_path") from None
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter; refused while an unfinished request runs with it (it would break)."""
+        if self.lora is None:
+            raise InvalidRequestError("LoRA is not enabled on this model (enable_lora)", "lora_name")
+        self.lora.check_name(name)
+        users = sum(1 for s in self._seqs.values() if s.lora_name == name and not s.is_finished)
+        if users:
+            raise InvalidRequestError(
+                f"LoRA adapter {name!r} is in use by {users} unfinished request(s): unload it once they finish",
+                "lora_name",
+                kind="unavailable",
+            )
+        self.lora.remove(name)
+
+    def list_loras(self) -> list[str]:
+        return sorted(self.lora.adapters) if self.lora is not None else []
 
     def tokenize(self, prompt: str) -> list[int]:
         """Prompt text -> token ids, bounded by max_prompt_bytes. Thread-safe (it reads only the
@@ -244,6 +300,8 @@ class LLMEngine:
                 self.structured_outputs.wait_for_compile(0.01)  # idle but for compiles: do not spin
             return self._release_finished(outputs)
         num_running = len(self.scheduler.running)
+        if self.lora is not None:
+            sched.lora_slots = self.lora.slots_for([s.lora_name for s in sched.seqs])
         parts, failed = run_isolating(sched, self._forward_and_sample)
         if len(failed) > 1 and not parts:  # every sequence failed: the engine's failure, not theirs
             raise failed[0][1]

@@ -23,7 +23,7 @@ ROOT_HASH = b""  # the parent of a sequence's first block
 def hash_block(parent: bytes, token_ids: Seq[int], extra_keys: tuple = ()) -> bytes:
     """Chained block hash. sha256 rather than Python's `hash`: a 64-bit collision would serve wrong KV.
 
-    `extra_keys` is reserved for what changes a block's KV besides its tokens (LoRA, a cache salt).
+    `extra_keys`: what changes a block's KV besides its tokens (the LoRA adapter; a cache salt).
     """
     h = hashlib.sha256(parent)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
@@ -89,7 +89,8 @@ class BlockManager:
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(hash_block(parent, self._block_tokens_of(seq, len(hashes))))
+            extra = (seq.lora_key,) if seq.lora_key is not None else ()  # two adapters never share KV
+            hashes.append(hash_block(parent, self._block_tokens_of(seq, len(hashes)), extra))
         return hashes
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -126,10 +127,10 @@ class BlockManager:
                 if self._events is not None:
                     stored.append(i)
         if stored:
-            self._record_stored(hashes, stored)
+            self._record_stored(hashes, stored, seq.lora_id)
         seq.num_registered_blocks = num_full
 
-    def _record_stored(self, hashes: list[bytes], indices: list[int]) -> None:
+    def _record_stored(self, hashes: list[bytes], indices: list[int], lora_id: int | None) -> None:
         """One BlockStored per run of consecutive newly cached blocks of a sequence (its parent chains it)."""
         runs: list[list[int]] = []
         for i in indices:
@@ -141,7 +142,7 @@ class BlockManager:
             tokens = [t for i in run for t in self._block_tokens[self._cached[hashes[i]]]]
             parent = external_hash(hashes[run[0] - 1]) if run[0] > 0 else None
             self._events.append(
-                BlockStored([external_hash(hashes[i]) for i in run], parent, tokens, self.block_size, None, None)
+                BlockStored([external_hash(hashes[i]) for i in run], parent, tokens, self.block_size, lora_id, None)
             )
 
     def _evict(self, block: int) -> None:

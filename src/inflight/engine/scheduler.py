@@ -32,6 +32,9 @@ class SchedulerOutput:
     # Sequences that decode this step (one new token, plus any drafts it verifies) and their tokens.
     num_decode_seqs: int = 0
     num_decode_tokens: int = 0
+    # Each scheduled sequence's LoRA slot (-1: none), set by the engine before the forward; None when no
+    # sequence of the step has an adapter.
+    lora_slots: list[int] | None = None
 
     @property
     def total_tokens(self) -> int:
@@ -40,7 +43,8 @@ class SchedulerOutput:
     def subset(self, lo: int, hi: int) -> SchedulerOutput:
         """The scheduled sequences lo..hi-1 as a step of their own (decode counts are kept for the whole step)."""
         spec = self.spec_token_ids[lo:hi] if self.spec_token_ids is not None else None
-        return SchedulerOutput(self.seqs[lo:hi], self.num_scheduled_tokens[lo:hi], spec_token_ids=spec)
+        lora = self.lora_slots[lo:hi] if self.lora_slots is not None else None
+        return SchedulerOutput(self.seqs[lo:hi], self.num_scheduled_tokens[lo:hi], spec_token_ids=spec, lora_slots=lora)
 
 
 class Scheduler:
@@ -159,11 +163,16 @@ class Scheduler:
         if static and self.running:
             return
         max_length = self.config.kv_reservation == "max_length"
+        # At most max_loras distinct adapters run at once: each needs a device slot every step it runs.
+        adapters = {s.lora_name for s in self.running if s.lora_name is not None}
         w = 0
         while w < len(self.waiting) and len(self.running) < self.config.max_num_seqs and (budget > 0 or static):
             seq = self.waiting[w]
             if not self.structured_outputs.is_ready(seq.request_id):  # compiling: it must not hold up the queue
                 w += 1
+                continue
+            if seq.lora_name is not None and seq.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                w += 1  # its adapter waits for a slot; requests for the running adapters go ahead
                 continue
             cached = self.block_manager.find_cached_prefix(seq)
             num_cached = len(cached) * self.block_manager.block_size
@@ -171,6 +180,8 @@ class Scheduler:
             if not self.block_manager.allocate(seq, self.max_model_len if max_length else num_cached + n, cached):
                 break
             self.waiting.pop(w)
+            if seq.lora_name is not None:
+                adapters.add(seq.lora_name)
             self._set_cached(seq, num_cached)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=self._key)

@@ -45,6 +45,11 @@ class Sequence:
     # Speculative decoding: draft tokens proposed for the next step (set just before scheduling; the
     # scheduler moves them into its output, so they never outlive a step).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with (None: the base model), the id its KV events carry, and the key its prefix
+    # cache blocks are hashed with (engine/lora.py)
+    lora_name: str | None = None
+    lora_id: int | None = None
+    lora_key: bytes | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -119,6 +119,7 @@ class InputBatch:
         self.input_ids = StagedBuffer((max_num_batched_tokens,), torch.int64, device)
         self.positions = StagedBuffer((max_num_batched_tokens,), torch.int64, device)
         self.slot_mapping = StagedBuffer((max_num_batched_tokens,), torch.int64, device)
+        self.token_lora_slots = StagedBuffer((max_num_batched_tokens,), torch.int32, device)
         self.query_start_loc = StagedBuffer((max_num_seqs + 1,), torch.int32, device)
         self.seq_lens = StagedBuffer((max_num_seqs,), torch.int32, device)
         self._arange = np.arange(max(max_num_seqs, max_num_batched_tokens) + 1, dtype=np.int64)
@@ -236,10 +237,11 @@ class InputBatch:
         seqs: list[ScheduledSequence],
         num_scheduled_tokens: list[int],
         spec_token_ids: list[list[int]] | None = None,
+        lora_slots: list[int] | None = None,
     ) -> BatchInputs:
         """Update the rows by diff, then build the step's flattened inputs from them. `spec_token_ids`: each
         sequence's draft tokens, scheduled after its own tokens (they go in the row's token slot past its
-        tokens, where the next real tokens overwrite them)."""
+        tokens, where the next real tokens overwrite them). `lora_slots`: each sequence's adapter slot (-1: none)."""
         self.update(seqs)
         b = len(seqs)
         num_spec = None
@@ -289,6 +291,9 @@ class InputBatch:
             query_start_loc_np=qsl,
             seq_lens_np=seq_lens,
         )
+        if lora_slots is not None:
+            self.token_lora_slots.np[:total] = np.repeat(np.asarray(lora_slots, dtype=np.int32), n)
+            meta.token_lora_slots = self.token_lora_slots.to_device(total)
         # Chunks that reach the end (past their drafts) sample a token.
         ends = self.num_tokens[:b] if num_spec is None else self.num_tokens[:b] + num_spec
         sample_rows = np.nonzero(seq_lens == ends)[0]

@@ -155,7 +155,7 @@ class ModelRunner:
         return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
 
     def prepare(self, sched: ScheduledStep) -> BatchInputs:
-        return self.input_batch.prepare(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids)
+        return self.input_batch.prepare(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids, sched.lora_slots)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The layer stack: [T] tokens -> [T, hidden] final-norm outputs (the step's K/V written)."""

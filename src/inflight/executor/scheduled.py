@@ -26,3 +26,4 @@ class ScheduledStep(Protocol):
     seqs: list[ScheduledSequence]
     num_scheduled_tokens: list[int]  # aligned with seqs
     spec_token_ids: list[list[int]] | None  # each sequence's drafts to verify, or None when none has any
+    lora_slots: list[int] | None  # each sequence's LoRA adapter slot (-1: none), or None when none has one

@@ -196,6 +196,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
             total += module.weight_bytes()
             continue
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False), *_packed_of(module)]:
+            if tensor.is_mkldnn or tensor.layout != torch.strided:  # oneDNN's packed weight: opaque, no storage
+                seen.add(id(tensor))
+                total += tensor.numel() * tensor.element_size()
+                continue
             key = tensor.untyped_storage().data_ptr()
             if key not in seen:
                 seen.add(key)

@@ -17,8 +17,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from inflight.errors import ErrorKind, InvalidRequestError, tag_message
+from inflight.lora_request import MAX_LORA_NAME
 from inflight.outputs import TokenLogprob
-from inflight.sampling_params import SamplingParams
+from inflight.sampling_params import SamplingParams, parse_json
 
 RETURN_FLAGS = {
     "return_finish_reason": "finish_reason",
@@ -42,6 +43,7 @@ class DecodedRequest:
     # `input_ids` instead of `text_input`: a client that tokenized already (NVIDIA Dynamo's frontend, whose
     # KV router hashes the same ids the engine caches); `prompt` is then "".
     prompt_token_ids: list[int] | None = None
+    lora_name: str | None = None  # sampling_parameters' "lora_name" (Triton's vLLM backend): the adapter to run with
 
 
 def decode_request(request, max_json_bytes: int = 256 << 10, max_json_depth: int = 64) -> DecodedRequest:
@@ -67,22 +69,28 @@ def decode_request(request, max_json_bytes: int = 256 << 10, max_json_depth: int
             "exclude_input_in_output=false is not allowed with stream=true (a stream carries only new text)",
             "exclude_input_in_output",
         )
-    params = _sampling_params(request, max_json_bytes, max_json_depth)
+    params, lora_name = _sampling_params(request, max_json_bytes, max_json_depth)
     returns = frozenset(out for flag, out in RETURN_FLAGS.items() if _flag(request, flag, False))
     priority_tensor = pb_utils.get_input_tensor_by_name(request, "priority")
     priority = int(priority_tensor.as_numpy().reshape(-1)[0]) if priority_tensor is not None else 0
-    return DecodedRequest(prompt, params, stream, not stream and not exclude, returns, priority, prompt_token_ids)
+    prepend = not stream and not exclude
+    return DecodedRequest(prompt, params, stream, prepend, returns, priority, prompt_token_ids, lora_name)
 
 
-def _sampling_params(request, max_bytes: int, max_depth: int) -> SamplingParams:
+def _sampling_params(request, max_bytes: int, max_depth: int) -> tuple[SamplingParams, str | None]:
     sampling = _text(request, "sampling_parameters", required=False)
     try:
-        if sampling is not None:
-            return SamplingParams.from_json(sampling, max_bytes, max_depth)
-        # The vLLM backend's fallback: sampling parameters as request parameters (BLS cannot send tensors).
-        raw = json.loads(request.parameters() or "{}")
-        params = {k: v for k, v in raw.items() if not k.startswith("triton_")}
-        return SamplingParams.from_json(json.dumps(params), max_bytes, max_depth) if params else SamplingParams()
+        if sampling is None:
+            # The vLLM backend's fallback: sampling parameters as request parameters (BLS cannot send tensors).
+            raw = json.loads(request.parameters() or "{}")
+            sampling = json.dumps({k: v for k, v in raw.items() if not k.startswith("triton_")})
+        data = parse_json(sampling, max_bytes, max_depth)
+        lora_name = data.pop("lora_name", None) if isinstance(data, dict) else None
+        if lora_name is not None and (not isinstance(lora_name, str) or not 0 < len(lora_name) <= MAX_LORA_NAME):
+            raise InvalidRequestError(
+                f"lora_name must be an adapter's name: a string of 1 to {MAX_LORA_NAME} characters", "lora_name"
+            )
+        return SamplingParams.from_dict(data), lora_name
     except InvalidRequestError:
         raise
     except (TypeError, ValueError) as e:  # a value of a shape the field checks did not expect

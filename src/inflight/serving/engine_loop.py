@@ -64,6 +64,7 @@ class Submission:
     client: Client
     priority: int = 0
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    lora_name: str | None = None  # the LoRA adapter (the core checks it is known)
 
 
 # A failed request's answer: kind, message, request field at fault.
@@ -170,7 +171,9 @@ class EngineLoop:
             if reason is None:
                 self._active[sub.request_id] = active
                 self._core.add(
-                    core_messages.AddRequest.make(sub.request_id, prompt, sub.params, sub.arrival_time, sub.priority)
+                    core_messages.AddRequest.make(
+                        sub.request_id, prompt, sub.params, sub.arrival_time, sub.priority, sub.lora_name
+                    )
                 )
         if reason is not None:
             _notify(sub.client, ErrorKind.UNAVAILABLE, reason)

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import triton_python_backend_utils as pb_utils
 
@@ -49,8 +50,9 @@ class ServerSettings:
     stream_interval: int = 1
 
     @classmethod
-    def from_parameters(cls, parameters: dict[str, str]) -> ServerSettings:
-        """Raise ConfigError naming the parameter for anything unknown or unparsable."""
+    def from_parameters(cls, parameters: dict[str, str], multi_lora: Path | None = None) -> ServerSettings:
+        """Raise ConfigError naming the parameter for anything unknown or unparsable. `multi_lora`: the version
+        directory's multi_lora.json (Triton's vLLM backend: `{"adapter name": "/path/to/adapter", ...}`)."""
         engine_fields = field_types(EngineConfig)
         known = set(engine_fields) | set(SERVER_PARAMETERS)
         unknown = sorted(set(parameters) - known)
@@ -60,6 +62,8 @@ class ServerSettings:
         for name, raw in parameters.items():
             if name in engine_fields and raw.strip() != "":
                 kwargs[name] = _parse(name, raw.strip(), engine_fields[name])
+        if multi_lora is not None:
+            kwargs["lora_modules"] = _merge_lora_modules(kwargs.get("lora_modules"), multi_lora)
         config = EngineConfig.from_kwargs(kwargs)
         model = parameters.get("model", "").strip()
         interval = parameters.get("stream_interval", "").strip()
@@ -72,6 +76,26 @@ class ServerSettings:
         except ModelSourceError as e:
             raise ConfigError(f"config.pbtxt parameter model={model!r}: {e}") from None
         return cls(model_path, config, step_log, stream_interval)
+
+
+def read_multi_lora(path: Path) -> dict[str, str]:
+    """multi_lora.json's adapters, relative directories taken from the file's own directory."""
+    try:
+        modules = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not a JSON object of adapter names to directories ({e})") from None
+    if not isinstance(modules, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in modules.items()):
+        raise ConfigError(f'{path}: must map adapter names to adapter directories: {{"name": "/path", ...}}')
+    return {name: str((path.parent / adapter).resolve()) for name, adapter in modules.items()}
+
+
+def _merge_lora_modules(parameter: object, multi_lora: Path) -> dict[str, str]:
+    modules = EngineConfig(lora_modules=parameter, enable_lora=True).lora_modules if parameter else {}
+    from_file = read_multi_lora(multi_lora)
+    both = sorted(set(modules) & set(from_file))
+    if both:
+        raise ConfigError(f"adapter(s) {both} are named both in multi_lora.json and in the lora_modules parameter")
+    return {**modules, **from_file}
 
 
 def _parse(name: str, raw: str, kind: type) -> object:
@@ -192,7 +216,8 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise ConfigError("config.pbtxt must set model_transaction_policy { decoupled: true }")
         parameters = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
-        settings = ServerSettings.from_parameters(parameters)
+        multi_lora = Path(args["model_repository"]) / str(args["model_version"]) / "multi_lora.json"
+        settings = ServerSettings.from_parameters(parameters, multi_lora if multi_lora.is_file() else None)
         log.info("loading %s with %s", settings.model_dir, settings.engine_config)
         self.stream_interval = settings.stream_interval
         labels = {"model": args["model_name"], "version": args["model_version"]}
@@ -236,7 +261,9 @@ class TritonPythonModel:
             writer = ResponseWriter(request, decoded, self.tokenizer, self.metrics, arrival, self.stream_interval)
             request_id = f"{next(self._ids)}-{request.request_id()}"
             self.loop.submit(
-                Submission(request_id, prompt_token_ids, decoded.params, writer, decoded.priority, arrival)
+                Submission(
+                    request_id, prompt_token_ids, decoded.params, writer, decoded.priority, arrival, decoded.lora_name
+                )
             )
         return None
 
