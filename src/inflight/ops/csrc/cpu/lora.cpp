@@ -6,6 +6,9 @@
 #include "common.h"
 #include "ops.h"
 
+// The vectors pass only between this file's inline functions: no calling convention to keep across builds.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
 // Sixteen fp32 lanes as GCC vector extensions: one zmm register where the build has AVX-512 (as the other ops),
 // two ymm with AVX2, plain code elsewhere; the same lanes and sums on each, so one source is tested everywhere.
 typedef float f32x16 __attribute__((vector_size(64)));
@@ -13,6 +16,7 @@ typedef float f32x8 __attribute__((vector_size(32)));
 typedef float f32x4 __attribute__((vector_size(16)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
 
 static inline f32x16 lanes(const float* p) {
   f32x16 v;
@@ -24,11 +28,36 @@ static inline f32x16 lanes(const c10::BFloat16* p) {  // the bits into the top h
   std::memcpy(&h, p, sizeof h);
   return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
 }
-// The first n (< 16) values, zero past them.
+// o[i] = round(o[i] + d[i]) for sixteen outputs: fp32, or bf16 rounded to nearest even as from_f (NaN kept NaN).
+static inline void add_store(float* o, const f32x16& d) {
+  const f32x16 v = lanes(o) + d;
+  std::memcpy(o, &v, sizeof v);
+}
+static inline void add_store(c10::BFloat16* o, const f32x16& d) {
+  const f32x16 f = lanes(o) + d;
+  u32x16 u;
+  std::memcpy(&u, &f, sizeof u);
+  const u32x16 nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const u32x16 nan = (u32x16)((i32x16)((u & 0x7fffffffu) > 0x7f800000u));  // all ones where NaN
+  const u16x16 h = __builtin_convertvector((nan & 0x7fc0u) | (~nan & nearest), u16x16);
+  std::memcpy(o, &h, sizeof h);
+}
+
+// The first n (< 16) values, zero past them; eight (a rank-8 adapter's B rows) in one load.
 template <typename T>
 static inline f32x16 partial(const T* p, int64_t n) {
   f32x16 v = {};
   for (int64_t i = 0; i < n; ++i) v[i] = to_f(p[i]);
+  return v;
+}
+static inline f32x16 partial(const float* p, int64_t n) {
+  if (n == 8) {
+    f32x8 h;
+    std::memcpy(&h, p, sizeof h);
+    return __builtin_shufflevector(h, f32x8{}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  }
+  f32x16 v = {};
+  for (int64_t i = 0; i < n; ++i) v[i] = p[i];
   return v;
 }
 // Across lanes by halves (lane i + lane i+8, then +4, +2, +1): one tree for every dot.
@@ -37,6 +66,24 @@ static inline float sum(const f32x16& v) {
                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
   return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// sum(c[i]) for i < 16 as the lanes of one vector, by the same tree (lane k + k+8, then +4, +2, +1) on sixteen
+// vectors at once: two shuffles and an add a step instead of a reduction an output.
+static inline f32x16 sum16(const f32x16* c) {
+  f32x16 w[8], x[4], y[2];
+  for (int j = 0; j < 8; ++j)
+    w[j] =
+        __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+        __builtin_shufflevector(c[2 * j], c[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    x[j] = __builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
 // t[r] = A[r] . x for r < R (A's rows K apart), four ranks at a time sharing x's loads; lane j sums k = j mod 16
@@ -73,18 +120,26 @@ static void shrink(float* t, const float* a, const T* x, int64_t R, int64_t K) {
   }
 }
 
-// out[n] = round(out[n] + B[n] . t) for n in lo..hi (B's rows R apart), the dot in the same lane order.
+// out[n] = round(out[n] + B[n] . t) for n in lo..hi (B's rows R apart), the dot in the same lane order; sixteen
+// outputs at a time reduced together, the rest one by one, each output by the same tree.
 template <typename T>
 static void expand(T* out, const float* b, const float* t, int64_t R, int64_t lo, int64_t hi) {
   const int64_t rv = R & ~int64_t(15), rem = R - rv;
   const f32x16 tt = partial(t + rv, rem);
-  for (int64_t n = lo; n < hi; ++n) {
+  const auto lanes_of = [&](int64_t n) {
     const float* bn = b + n * R;
     f32x16 c = {};
     for (int64_t j = 0; j < rv; j += 16) c += lanes(bn + j) * lanes(t + j);
     if (rem) c += partial(bn + rv, rem) * tt;
-    out[n] = from_f<T>(to_f(out[n]) + sum(c));
+    return c;
+  };
+  int64_t n = lo;
+  for (; n + 16 <= hi; n += 16) {
+    f32x16 c[16];
+    for (int i = 0; i < 16; ++i) c[i] = lanes_of(n + i);
+    add_store(out + n, sum16(c));
   }
+  for (; n < hi; ++n) out[n] = from_f<T>(to_f(out[n]) + sum(lanes_of(n)));
 }
 
 template <typename T>
