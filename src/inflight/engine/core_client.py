@@ -98,6 +98,9 @@ class CoreClient:
     def add(self, request: core_messages.AddRequest) -> None:
         self._send(request)
 
+    def lora_admin(self, request: core_messages.LoRAAdmin) -> None:
+        self._send(request)
+
     def abort(self, request_ids: list[str]) -> None:
         if request_ids:
             self._send(core_messages.Abort(request_ids))

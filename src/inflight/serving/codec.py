@@ -9,6 +9,7 @@ is imported inside Triton's Python-backend stub only.
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -75,6 +76,45 @@ def decode_request(request, max_json_bytes: int = 256 << 10, max_json_depth: int
     priority = int(priority_tensor.as_numpy().reshape(-1)[0]) if priority_tensor is not None else 0
     prepend = not stream and not exclude
     return DecodedRequest(prompt, params, stream, prepend, returns, priority, prompt_token_ids, lora_name)
+
+
+LORA_ADMIN_KEY_ENV = "INFLIGHT_LORA_ADMIN_KEY"
+MAX_LORA_ADMIN_BYTES = 16 << 10
+
+
+def lora_admin_request(request, admin_key: str | None) -> dict:
+    """The `lora_admin` input's JSON, checked: its action, the adapter's name (and directory to load), and for
+    load and unload the admin key (none set: runtime LoRA updating is off)."""
+    text = _text(request, "lora_admin", required=True)
+    if len(text) > MAX_LORA_ADMIN_BYTES:
+        raise InvalidRequestError(f"lora_admin is {len(text)} bytes: the limit is {MAX_LORA_ADMIN_BYTES}", "lora_admin")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError(f"lora_admin is not valid JSON: {e}", "lora_admin") from None
+    if not isinstance(body, dict) or body.get("action") not in ("list", "load", "unload"):
+        raise InvalidRequestError('lora_admin must be a JSON object with "action": list, load or unload', "lora_admin")
+    if body["action"] == "list":
+        return body
+    if admin_key is None:
+        raise InvalidRequestError(
+            "runtime LoRA updating is off on this server (start it with inflight serve --allow-runtime-lora-updating "
+            "or an OpenAI API key)",
+            "lora_admin",
+            ErrorKind.UNAVAILABLE,
+        )
+    if not hmac.compare_digest(str(body.get("key", "")).encode(), admin_key.encode()):
+        raise InvalidRequestError("lora_admin: the admin key is wrong", "lora_admin")
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, str) or not 0 < len(name) <= MAX_LORA_NAME:
+        raise InvalidRequestError(f"lora_name must be a string of 1 to {MAX_LORA_NAME} characters", "lora_name")
+    if body["action"] == "load" and (not isinstance(path, str) or not path):
+        raise InvalidRequestError("lora_path (the adapter's directory) is required to load an adapter", "lora_path")
+    return body
+
+
+def admin_response(text: str):
+    return pb_utils.InferenceResponse(output_tensors=[_tensor("text_output", [text], np.object_)])
 
 
 def _sampling_params(request, max_bytes: int, max_depth: int) -> tuple[SamplingParams, str | None]:

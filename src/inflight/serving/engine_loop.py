@@ -178,6 +178,23 @@ class EngineLoop:
         if reason is not None:
             _notify(sub.client, ErrorKind.UNAVAILABLE, reason)
 
+    def lora_admin(self, request: core_messages.LoRAAdmin, client: Client) -> None:
+        """Thread-safe: load or unload a LoRA adapter in the core, answered through `client` (a finished output, or
+        an error naming why). An adapter loaded here is registered again by every later core (a restart keeps it)."""
+        state = RequestState(self.tokenizer, [], SamplingParams())
+        active = _ActiveRequest(request.request_id, _LoRAAdminClient(client, request, self.spec.config), [], state)
+        with self._lock:
+            reason = self._refusal()
+            if reason is None:
+                self._active[request.request_id] = active
+                self._core.lora_admin(request)
+        if reason is not None:
+            _notify(client, ErrorKind.UNAVAILABLE, reason)
+
+    def lora_names(self) -> list[str]:
+        """The adapters a request may name now (start-up's and those loaded since)."""
+        return sorted(self.spec.config.lora_modules or {}) if self.spec.config.enable_lora else []
+
     def _refusal(self) -> str | None:
         if self._stopping.is_set():
             return "the model is shutting down"
@@ -409,6 +426,29 @@ class EngineLoop:
             return
         self._published, self._unpublished = state, IterationStats()
         _safe(self._on_iteration, state, counts)
+
+
+class _LoRAAdminClient:
+    """Passes a LoRA admin request's answer on, and once the core did it, records it in the engine config every
+    later core starts from."""
+
+    def __init__(self, client: Client, request: core_messages.LoRAAdmin, config) -> None:
+        self.client, self.request, self.config = client, request, config
+
+    def is_cancelled(self) -> bool:
+        return False  # the core does it between two steps: there is nothing to cancel
+
+    def on_output(self, output: RequestOutput) -> None:
+        if output.finished:
+            modules = self.config.lora_modules
+            if self.request.action == "load":
+                modules[self.request.lora_name] = self.request.lora_path
+            else:
+                modules.pop(self.request.lora_name, None)
+        self.client.on_output(output)
+
+    def on_error(self, kind: ErrorKind, message: str, field: str | None = None) -> None:
+        self.client.on_error(kind, message, field)
 
 
 def _idle(state: SchedulerStats | None) -> bool:

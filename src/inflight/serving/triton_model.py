@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -22,11 +23,21 @@ import triton_python_backend_utils as pb_utils
 from inflight.coerce import field_types, parse_scalar, type_name
 from inflight.config import ConfigError, EngineConfig
 from inflight.engine.core import CoreSpec
+from inflight.engine.core_messages import LoRAAdmin
 from inflight.errors import ErrorKind, InvalidRequestError
 from inflight.log import setup as log_setup
 from inflight.model_source import ModelSourceError, resolve_model
 from inflight.outputs import RequestOutput, TokenLogprob
-from inflight.serving.codec import DecodedRequest, ResponseDelta, decode_request, encode_response, error_response
+from inflight.serving.codec import (
+    LORA_ADMIN_KEY_ENV,
+    DecodedRequest,
+    ResponseDelta,
+    admin_response,
+    decode_request,
+    encode_response,
+    error_response,
+    lora_admin_request,
+)
 from inflight.serving.engine_loop import EngineLoop, Submission
 from inflight.serving.metrics import TritonMetrics
 
@@ -243,6 +254,9 @@ class TritonPythonModel:
         cfg = self.loop.spec.config
         for request in requests:
             arrival = time.monotonic()
+            if pb_utils.get_input_tensor_by_name(request, "lora_admin") is not None:
+                self._lora_admin(request)
+                continue
             try:
                 decoded = decode_request(request, cfg.max_sampling_parameters_bytes, cfg.max_json_depth)
                 self.loop.check_params(decoded.params)
@@ -266,6 +280,23 @@ class TritonPythonModel:
                 )
             )
         return None
+
+    def _lora_admin(self, request) -> None:
+        """`lora_admin` (JSON): {"action": "list"} answers the adapters a request may name; "load" (with
+        "lora_name", "lora_path") and "unload" (with "lora_name") need "key" = the server's LoRA admin key
+        (INFLIGHT_LORA_ADMIN_KEY, set by the launcher: the OpenAI API's load/unload endpoints hold it)."""
+        sender = request.get_response_sender()
+        try:
+            body = lora_admin_request(request, os.environ.get(LORA_ADMIN_KEY_ENV))
+        except InvalidRequestError as e:
+            self._reject(request, e.kind, str(e), e.field)
+            return
+        if body["action"] == "list":
+            text = json.dumps({"lora_names": self.loop.lora_names()})
+            sender.send(admin_response(text), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        message = LoRAAdmin(f"{next(self._ids)}-lora", body["action"], body["lora_name"], body.get("lora_path"))
+        self.loop.lora_admin(message, _AdminWriter(request, sender, message))
 
     def _on_broken(self, reason: str) -> None:
         """The engine cannot serve again: unload the model so that Triton reports it not ready (a load
@@ -292,6 +323,24 @@ class TritonPythonModel:
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.stop(timeout_s=10.0):
             log.warning("the responder thread is still busy after 10 s; leaving it behind")
+
+
+class _AdminWriter:
+    """A LoRA admin request's one response: {"lora_name", "action", "status": "ok"}, or the core's refusal."""
+
+    def __init__(self, request, sender, message: LoRAAdmin) -> None:
+        self.request, self.sender, self.message = request, sender, message  # the request lives until answered
+
+    def is_cancelled(self) -> bool:
+        return False
+
+    def on_output(self, out: RequestOutput) -> None:
+        if out.finished:
+            text = json.dumps({"lora_name": self.message.lora_name, "action": self.message.action, "status": "ok"})
+            self.sender.send(admin_response(text), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def on_error(self, kind: ErrorKind, message: str, field: str | None = None) -> None:
+        self.sender.send(error_response(kind, message, field), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 def _make_metrics(labels: dict[str, str]) -> TritonMetrics | None:
