@@ -1,9 +1,10 @@
 """Every kernel specialization the engine launches compiles for sm_80 and sm_90, on this CPU machine.
 
 The launches are recorded from interpreter runs of the engine through the Triton backend (the demo
-model and two real attention geometries) by `tools.kernel_launches`; each is compiled by ptxas for both
-targets by `tools.kernel_resources` in a process without the interpreter and must fit the target's shared
-memory per block. Both tools run as subprocesses, as a developer runs them.
+model and two real attention geometries) and of the GGUF and LoRA ops called directly, by
+`tools.kernel_launches`; each is compiled by ptxas for both targets by `tools.kernel_resources` in a
+process without the interpreter and must fit the target's shared memory per block. Both tools run as
+subprocesses, as a developer runs them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from inflight.ops.triton.paged_attention import DECODE_BLOCK_M, PREFILL_BLOCK_M
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_unified_attention_kernel", "_merge_kernel", "_kv_write_kernel", "_rms_norm_kernel", "_rope_kernel"}
 GGUF_KERNELS = {"_gguf_gemv_kernel", "_gguf_gemm_kernel", "_gguf_embedding_kernel"}
+LORA_KERNELS = {"_lora_shrink_kernel", "_lora_expand_kernel"}
 GEOMETRIES = ("llama3_8b", "qwen2_hd80")  # tools.kernel_launches.GEOMETRIES
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # shared memory per block, bytes
 # On a GPU machine the kernel tests run every kernel for real; this check is for machines without one.
@@ -29,6 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 RUNS = {"demo/fp32", "demo/fp16", "demo/bf16"} | {f"{g}/{d}" for g in GEOMETRIES for d in ("fp16", "bf16")}
 GGUF_RUNS = {"gguf/fp32", "gguf/fp16", "gguf/bf16"}  # tools.kernel_launches.capture_gguf_launches
+LORA_RUNS = {"lora/fp32", "lora/fp16", "lora/bf16"}  # tools.kernel_launches.capture_lora_launches
 
 
 def run_tool(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
@@ -75,8 +78,8 @@ def test_every_jit_kernel_is_recorded(captured):
 
 def test_capture_sees_every_kernel_path(captured):
     specs = captured[1]
-    assert {s["kernel"].split(":")[1] for s in specs} == KERNELS | GGUF_KERNELS
-    assert {t for s in specs for t in s["tags"]} == RUNS | GGUF_RUNS
+    assert {s["kernel"].split(":")[1] for s in specs} == KERNELS | GGUF_KERNELS | LORA_KERNELS
+    assert {t for s in specs for t in s["tags"]} == RUNS | GGUF_RUNS | LORA_RUNS
     for run in RUNS:
         attention = [
             constexprs(s) for s in specs if run in s["tags"] and s["kernel"].endswith("_unified_attention_kernel")
@@ -98,6 +101,20 @@ def test_every_gguf_format_is_captured_in_every_dtype(captured):
         for tag in s["tags"]
     }
     assert seen == {(k, q, run) for k in GGUF_KERNELS for q in SUPPORTED_QTYPES for run in GGUF_RUNS}
+
+
+def test_every_lora_row_tile_is_captured_in_every_dtype(captured):
+    """The shrink's and the expand's decode and prefill row tiles, for fp32, fp16 and bf16 activations."""
+    from inflight.ops.triton.lora import DECODE_BLOCK_M, PREFILL_BLOCK_M
+
+    seen = {
+        (s["kernel"].split(":")[1], constexprs(s)["BLOCK_M"], tag)
+        for s in captured[1]
+        if s["kernel"].split(":")[1] in LORA_KERNELS
+        for tag in s["tags"]
+    }
+    tiles = (DECODE_BLOCK_M, PREFILL_BLOCK_M)
+    assert seen == {(k, m, run) for k in LORA_KERNELS for m in tiles for run in LORA_RUNS}
 
 
 def test_every_launched_specialization_compiles_for_sm80_and_sm90(captured, tmp_path):

@@ -7,8 +7,9 @@ returns at once, and rows without an adapter are sorted past every slot, so no p
 
 Numerics follow `inflight.ops.reference.lora_apply`: the shrink's result is kept in fp32 ([S, T, R]), the
 expand adds B's product to out's values in fp32 and rounds once into out's dtype. The dots run in IEEE
-fp32 (not TF32); each output element sums over K (shrink) or R (expand) in tiles whose size does not depend
-on the batch, so a row's result is the same alone or in any batch.
+fp32 (not TF32), which a GPU computes as a chain of FMAs over K (shrink) or R (expand) in order for each
+output element, whatever the row's place in its tile: a row's result is bit for bit the same alone or in
+any batch (under the interpreter, whose dot is numpy's, to within an ulp or two).
 """
 
 from __future__ import annotations
