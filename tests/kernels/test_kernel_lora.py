@@ -1,13 +1,7 @@
 """Multi-LoRA shrink/expand kernels against `reference.lora_apply`, the step metadata, batch invariance, the
-Triton backend's hook, and the kernels' sm_80/sm_90 compile."""
+Triton backend's hook (their sm_80/sm_90 compile: tests/kernels/test_kernel_compile.py)."""
 
 from __future__ import annotations
-
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +13,6 @@ from inflight.ops import reference
 from inflight.ops.triton import lora as lora_ops
 from inflight.ops.triton.lora import lora_apply, lora_expand, lora_kernel_meta, lora_shrink
 
-ROOT = Path(__file__).resolve().parents[2]
 # fp32: the kernels and the reference sum the same products in different orders; fp16: one rounding each,
 # so at most an ulp apart where the fp32 sums straddle a rounding boundary.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -170,37 +163,3 @@ def test_triton_backend_reuses_the_steps_meta_until_the_slots_change():
     backend.lora_apply(got, x, slots, token_slots)
     assert backend._lora_meta[2] is not meta
     torch.testing.assert_close(got, expected(out, x, slots, token_slots), atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1" or DEVICE.type != "cpu",
-    reason="records launches under TRITON_INTERPRET=1 (no GPU here)",
-)
-def test_lora_kernels_compile_for_sm80_and_sm90(tmp_path):
-    """tools.kernel_launches' LoRA launches (decode and prefill tiles, small and largest rank) in fp32, fp16
-    and bf16, compiled by ptxas for both targets within their shared memory and without spills."""
-    from tools.kernel_launches import as_dtype, capture_lora_launches, dump, unique_specs
-
-    specs = []
-    for dtype, short in (("float32", "fp32"), ("float16", "fp16")):
-        run = unique_specs(capture_lora_launches(dtype).launches, f"lora/{short}")
-        specs += run + ([as_dtype(s, "fp16", "bf16") for s in run] if short == "fp16" else [])
-    tiles = {
-        (s.kernel.split(":")[1], dict((n, v) for n, k, v in s.params if k == "constexpr")["BLOCK_M"]) for s in specs
-    }
-    kernels = ("_lora_shrink_kernel", "_lora_expand_kernel")
-    blocks = (lora_ops.DECODE_BLOCK_M, lora_ops.PREFILL_BLOCK_M)
-    assert tiles == {(k, m) for k in kernels for m in blocks}
-    pointer_dtypes = {k for s in specs for _, k, _ in s.params if k in ("*fp32", "*fp16", "*bf16")}
-    assert pointer_dtypes == {"*fp32", "*fp16", "*bf16"}
-    dump(specs, tmp_path / "specs.json")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
-    args = ["tools.kernel_resources", "--specs", str(tmp_path / "specs.json"), "--json", str(tmp_path / "out.json")]
-    done = subprocess.run([sys.executable, "-m", *args], env=env, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    rows = json.loads((tmp_path / "out.json").read_text())
-    assert len(rows) == 2 * len(specs)
-    for row in rows:
-        assert row["ok"] and row["stack_bytes"] == 0 and 0 < row["registers"] <= 255, row
