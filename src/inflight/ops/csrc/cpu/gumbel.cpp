@@ -23,7 +23,9 @@ inline uint32_t mix32(uint32_t x) {
   return x;
 }
 
-inline float noise1(uint32_t key, uint32_t hashed) {
+// Not inlined: a loop of inlined calls gets vectorized through libmvec's log (-ffast-math, AVX2), which rounds
+// otherwise than the scalar log of the loop's tail, and a token's noise would depend on its position.
+__attribute__((noinline)) float noise1(uint32_t key, uint32_t hashed) {
   const float f = std::min(std::max(float(mix32(key ^ hashed)) * U_SCALE, U_LO), U_HI);
   return -std::log(-std::log1p(f));
 }
