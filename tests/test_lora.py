@@ -185,3 +185,15 @@ def test_an_adapter_in_use_is_not_unloaded(demo_model_dir, adapters):
     assert engine.list_loras() == []
     engine.add_lora(LoRARequest("qv8", lora_path=adapters["qv8"]))  # loaded again without a restart
     assert engine.list_loras() == ["qv8"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs, the Triton LoRA kernels)")
+def test_adapter_rows_on_a_gpu_with_cuda_graphs_equal_eager_steps(demo_model_dir, adapters):
+    # Graphs are captured without adapters: steps with adapter rows must not replay them
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    requests = [(f"r{i}", PROMPTS[i], [*ADAPTERS, None][i % 5]) for i in range(10)]
+    results = []
+    for eager in (True, False):
+        engine = lora_engine(demo_model_dir, adapters, device="cuda", enforce_eager=eager)
+        results.append(run(engine, requests, params))
+    assert results[0] == results[1]

@@ -161,9 +161,11 @@ class ModelRunner:
         """The layer stack: [T] tokens -> [T, hidden] final-norm outputs (the step's K/V written)."""
         if self.cpu_forward is not None:
             return self.cpu_forward(input_ids, positions, meta)
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids, meta):
+        # The graphs were captured without adapters: a step with LoRA rows launches its kernels from Python.
+        graphs = meta.token_lora_slots is None
+        if graphs and self.cuda_graphs is not None and self.cuda_graphs.can_run(input_ids, meta):
             return self.cuda_graphs.run(input_ids, positions, meta)
-        if self.piecewise_graphs is not None and self.piecewise_graphs.can_run(len(input_ids)):
+        if graphs and self.piecewise_graphs is not None and self.piecewise_graphs.can_run(len(input_ids)):
             return self.piecewise_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta, self.kv_caches, self.ops)
 
