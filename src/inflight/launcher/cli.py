@@ -8,6 +8,10 @@ subcommand that builds an engine shares them: `add_engine_args(parser)` and `eng
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
+import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,7 @@ from inflight.config import (
     ATTENTION_BACKENDS,
     DTYPES,
     KV_RESERVATIONS,
+    LORA_RANKS,
     SCHEDULING_POLICIES,
     WEIGHT_FORMATS,
     ConfigError,
@@ -43,6 +48,12 @@ _HELP = {
     "dtype": "auto: the checkpoint's on GPU; on CPU bfloat16 with AMX / AVX512-BF16, else float32 (logged)",
     "kv_events_config": "vLLM's KV events for KV-aware routers, JSON: "
     '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\' (default: off)',
+    "enable_lora": "serve LoRA adapters: a request names one as its model (default: off; on with --lora-modules)",
+    "max_loras": "LoRA adapters in the device's slots at once, least recently used swapped out (default: 1)",
+    "max_lora_rank": "the largest LoRA rank an adapter may have (default: 16)",
+    "max_cpu_loras": "LoRA adapters kept read in host memory (default: --max-loras)",
+    "lora_modules": "LoRA adapters to serve from the start, as NAME=PATH (a PEFT adapter directory) or vLLM's JSON "
+    '\'{"name": NAME, "path": PATH}\'; each is a model of its own name in the OpenAI API (implies --enable-lora)',
 }
 _CHOICES = {
     "dtype": ["auto", *DTYPES],
@@ -50,6 +61,7 @@ _CHOICES = {
     "kv_reservation": list(KV_RESERVATIONS),
     "attention_backend": list(ATTENTION_BACKENDS),
     "weight_format": list(WEIGHT_FORMATS),
+    "max_lora_rank": list(LORA_RANKS),
 }
 
 
@@ -61,6 +73,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=_HELP.get(name)
             )
+            continue
+        if name == "lora_modules":  # vLLM's syntax: one or more NAME=PATH (or JSON) after the flag
+            group.add_argument(flag, dest=name, nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                               help=_HELP.get(name))  # fmt: skip
             continue
         group.add_argument(
             flag,
@@ -89,10 +105,43 @@ def _speculative_config(text: str) -> str:
     return text
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """One `--lora-modules` item: NAME=PATH, or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON: {e}") from None
+        name, path = (item.get("name"), item.get("path")) if isinstance(item, dict) else (None, None)
+    else:
+        name, _, path = text.partition("=")
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        raise argparse.ArgumentTypeError(f'{text!r} must be NAME=PATH or {{"name": NAME, "path": PATH}}')
+    return name, path
+
+
 def engine_args(ns: argparse.Namespace) -> dict[str, Any]:
-    """The engine flags that were given, as EngineConfig keyword arguments."""
+    """The engine flags that were given, as EngineConfig keyword arguments (`lora_modules` as {name: path})."""
     names = field_types(EngineConfig)
-    return {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    args = {k: v for k, v in vars(ns).items() if k in names and v is not None}
+    if "lora_modules" in args:
+        modules: dict[str, str] = {}
+        for name, path in args["lora_modules"]:
+            if name in modules:
+                raise SystemExit(f"inflight {ns.command}: --lora-modules names {name!r} twice")
+            modules[name] = path
+        args["lora_modules"] = modules
+    return args
+
+
+def runtime_lora_updating(ns: argparse.Namespace) -> bool:
+    """vLLM's rule, plus the API key: adapters may be loaded and unloaded at run time when
+    --allow-runtime-lora-updating is given, $VLLM_ALLOW_RUNTIME_LORA_UPDATING is true, or an API key guards
+    the OpenAI API."""
+    from inflight.serving.openai.guard import resolve_api_key
+
+    allowed_env = os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    return bool(ns.allow_runtime_lora_updating or allowed_env or resolve_api_key(ns.api_key))
 
 
 def _add_serve(sub) -> None:
@@ -121,6 +170,12 @@ def _add_serve(sub) -> None:
     p.add_argument("--tritonserver", default=None, help="tritonserver binary (default: found automatically)")
     p.add_argument("--log-verbose", type=int, default=0, help="tritonserver's --log-verbose level")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", help="any other config.pbtxt parameter")
+    p.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="let the OpenAI API load and unload LoRA adapters (/v1/load_lora_adapter, /v1/unload_lora_adapter; "
+        "vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING); allowed anyway when an API key is set",
+    )
     p.add_argument("--openai-port", type=int, default=9000, help="OpenAI-compatible API port (0 = off)")
     p.add_argument(
         "--openai-host", default="127.0.0.1", help="OpenAI-compatible API address (0.0.0.0: every interface)"
@@ -141,6 +196,12 @@ def _add_openai(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="0.0.0.0: every interface")
     p.add_argument("--triton-model", default="llm", help="the Triton model to send requests to")
     p.add_argument("--served-model-name", default=None, help="the `model` clients name (default: --triton-model)")
+    p.add_argument(
+        "--lora-admin-key",
+        default=None,
+        help="the Triton server's LoRA admin key (its $INFLIGHT_LORA_ADMIN_KEY), which enables "
+        "/v1/load_lora_adapter and /v1/unload_lora_adapter (default: $INFLIGHT_LORA_ADMIN_KEY, else off)",
+    )
     p.add_argument(
         "--model",
         default=None,
@@ -205,7 +266,7 @@ def _openai(ns: argparse.Namespace) -> int:
     from inflight.serving.openai.server import run
 
     run(ns.triton_url, ns.port, ns.host, model=ns.triton_model, served_model_name=ns.served_model_name,
-        model_dir=ns.model, limits=_openai_limits(ns))  # fmt: skip
+        model_dir=ns.model, limits=_openai_limits(ns), lora_admin_key=ns.lora_admin_key)  # fmt: skip
     return 0
 
 
@@ -214,10 +275,18 @@ def _serve(ns: argparse.Namespace) -> int:
     from inflight.launcher.supervisor import serve
     from inflight.serving.openai.guard import set_default_limits
 
+    # A fresh LoRA admin key per launch, known to tritonserver and the OpenAI API only, when adapters may be
+    # loaded at run time; without it the model refuses load and unload.
+    lora_admin_key = secrets.token_urlsafe(32) if runtime_lora_updating(ns) else None
     # serve() builds the OpenAI server with create_app's default limits: these.
-    set_default_limits(_openai_limits(ns))
+    set_default_limits(dataclasses.replace(_openai_limits(ns), lora_admin_key=lora_admin_key))
 
     parameters: dict[str, object] = dict(engine_args(ns))
+    lora_modules = parameters.pop("lora_modules", None) or {}  # written to the repository copy's multi_lora.json
+    if lora_modules:
+        if parameters.get("enable_lora") is False:
+            raise SystemExit("inflight serve: --lora-modules serves LoRA adapters: drop --no-enable-lora")
+        parameters["enable_lora"] = True
     model = ns.model
     if model is not None and Path(model).expanduser().exists():
         # The Python backend runs in tritonserver's working directory, not ours: a relative path would miss.
@@ -242,6 +311,8 @@ def _serve(ns: argparse.Namespace) -> int:
             metrics_port=ns.metrics_port,
             log_verbose=ns.log_verbose,
             tritonserver=ns.tritonserver,
+            lora_modules=lora_modules,
+            lora_admin_key=lora_admin_key,
         )
         return serve(server, ns.openai_port, ns.openai_host, model)
     except LauncherError as e:

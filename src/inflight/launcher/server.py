@@ -2,8 +2,9 @@
 plumbing only: supervisor.py watches a running one.
 
 The model repository is always served from a generated copy in a temp dir: engine settings given on
-the command line are written into that copy's config.pbtxt `parameters`, and the source tree stays
-free of Triton's __pycache__ and per-run edits.
+the command line are written into that copy's config.pbtxt `parameters`, LoRA adapters into its version
+directory's `multi_lora.json` (as Triton's vLLM backend reads them), and the source tree stays free of
+Triton's __pycache__ and per-run edits.
 """
 
 from __future__ import annotations
@@ -29,13 +30,16 @@ from tritonclient.grpc import model_config_pb2
 
 from inflight.launcher.triton_dist import LauncherError, find_server, prepare_backends, server_env
 
-__all__ = ["LauncherError", "TritonServer", "free_port", "free_ports", "write_model_repository"]
+__all__ = ["LauncherError", "TritonServer", "free_port", "free_ports", "write_model_repository", "write_multi_lora"]
 
 MODEL_NAME = "llm"
 STUB_RELOAD_TIMEOUT_S = 600.0
 _SHM_DIR = Path("/dev/shm")
 _REPOSITORY_KEY = "inflight-repository-key"
 _ADMIN_APIS = "model-repository,shared-memory,logging,trace"
+# The Triton model's LoRA admin key (inflight.serving.codec.LORA_ADMIN_KEY_ENV): load/unload need it.
+LORA_ADMIN_KEY_ENV = "INFLIGHT_LORA_ADMIN_KEY"
+MULTI_LORA_FILE = "multi_lora.json"
 
 
 def default_model_repository() -> Path:
@@ -64,15 +68,58 @@ def free_port() -> int:
 
 
 def write_model_repository(
-    source: Path, dest: Path, parameters: Mapping[str, object] | None = None, model: str = MODEL_NAME
+    source: Path,
+    dest: Path,
+    parameters: Mapping[str, object] | None = None,
+    model: str = MODEL_NAME,
+    lora_modules: Mapping[str, str] | None = None,
 ) -> Path:
-    """Copy `source` to `dest`, setting `parameters` in `model`'s config.pbtxt."""
+    """Copy `source` to `dest`, setting `parameters` in `model`'s config.pbtxt and adding `lora_modules`
+    (adapter name -> PEFT adapter directory) to its multi_lora.json."""
     if not (source / model / "config.pbtxt").is_file():
         raise LauncherError(f"{source} is not a model repository with a '{model}' model (no {model}/config.pbtxt)")
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     config = dest / model / "config.pbtxt"
     config.write_text(set_parameters(config.read_text(), parameters or {}))
+    write_multi_lora(source / model, dest / model, lora_modules or {})
     return dest
+
+
+def _version_dir(model_dir: Path) -> str:
+    """The version Triton serves (its default policy: the highest number); "1" when there is none yet."""
+    versions = [int(p.name) for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()]
+    return str(max(versions)) if versions else "1"
+
+
+def write_multi_lora(source_model: Path, dest_model: Path, lora_modules: Mapping[str, str]) -> Path | None:
+    """Write the copy's `<version>/multi_lora.json`: the source's adapters and `lora_modules`, every directory
+    absolute (a relative one is taken from the source file's directory, or from here for `lora_modules`: the
+    copy lives elsewhere). The file written, or None when there are no adapters."""
+    version = _version_dir(dest_model)
+    source_file = source_model / version / MULTI_LORA_FILE
+    modules: dict[str, str] = {}
+    if source_file.is_file():
+        try:
+            found = json.loads(source_file.read_text())
+        except (OSError, ValueError) as e:
+            raise LauncherError(f"{source_file}: not a JSON object of adapter names to directories ({e})") from None
+        if not isinstance(found, dict) or not all(isinstance(v, str) for v in found.values()):
+            raise LauncherError(f'{source_file}: must map adapter names to adapter directories: {{"name": "/path"}}')
+        modules = {name: str((source_file.parent / path).resolve()) for name, path in found.items()}
+    both = sorted(set(modules) & set(lora_modules))
+    if both:
+        raise LauncherError(f"LoRA adapter(s) {both} are named both by --lora-modules and in {source_file}")
+    for name, path in lora_modules.items():
+        adapter = Path(path).expanduser().resolve()
+        if not adapter.is_dir():
+            raise LauncherError(f"LoRA adapter {name!r}: {path} is not a directory (a PEFT adapter's)")
+        modules[name] = str(adapter)
+    if not modules:
+        return None
+    target = dest_model / version / MULTI_LORA_FILE
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(modules, indent=2) + "\n")
+    return target
 
 
 def set_parameters(pbtxt: str, parameters: Mapping[str, object]) -> str:
@@ -115,9 +162,14 @@ class TritonServer:
         tritonserver: str | Path | None = None,
         exit_timeout_s: int = 10,
         extra_args: list[str] | None = None,
+        lora_modules: Mapping[str, str] | None = None,
+        lora_admin_key: str | None = None,
     ) -> None:
         self.source = Path(model_repository) if model_repository else default_model_repository()
         self.parameters = dict(parameters or {})
+        self.lora_modules = dict(lora_modules or {})  # written to the copy's multi_lora.json
+        # Given to tritonserver's environment: the model's LoRA load/unload take it (None: they are refused).
+        self.lora_admin_key = lora_admin_key
         picked = iter(free_ports(sum(not p for p in (http_port, grpc_port, metrics_port))))  # those not given, together
         self.http_port = http_port or next(picked)
         self.grpc_port = grpc_port or next(picked)
@@ -175,8 +227,14 @@ class TritonServer:
         """A fresh run directory with the model repository's copy and the backends: (repository, backends, env)."""
         self.run_dir = Path(tempfile.mkdtemp(prefix="inflight-serve-"))
         try:
-            repository = write_model_repository(self.source, self.run_dir / "model_repository", self.parameters)
-            return repository, prepare_backends(self.dist, self.run_dir), server_env(self.dist)
+            repository = write_model_repository(
+                self.source, self.run_dir / "model_repository", self.parameters, lora_modules=self.lora_modules
+            )
+            env = server_env(self.dist)
+            env.pop(LORA_ADMIN_KEY_ENV, None)  # only this launch's key, never one inherited
+            if self.lora_admin_key:
+                env[LORA_ADMIN_KEY_ENV] = self.lora_admin_key
+            return repository, prepare_backends(self.dist, self.run_dir), env
         except BaseException:
             self._cleanup()
             raise

@@ -1,9 +1,11 @@
-"""The OpenAI-compatible HTTP API: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+"""The OpenAI-compatible HTTP API: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, and
+vLLM's `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (serving_models.py).
 
 Each request becomes one gRPC stream of the `llm` model (triton_stream.py), served by its endpoint's class
 (serving_chat.py, serving_completion.py over serving_engine.py); `stream: true` answers with Server-Sent
 Events ending in `data: [DONE]`. The Guard middleware (guard.py) refuses what must not reach the routes:
-bodies over the cap or too slow, a missing API key, more requests than the in-flight bound.
+bodies over the cap or too slow, a missing API key, more requests than the in-flight bound. A LoRA adapter is
+served as a model of its own name: `"model": "<adapter>"` runs the base model with that adapter.
 """
 
 from __future__ import annotations
@@ -17,12 +19,18 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from inflight.serving.openai.guard import FrontLimits, Guard, default_limits, resolve_api_key
-from inflight.serving.openai.protocol import ChatCompletionRequest, CompletionRequest
+from inflight.serving.openai.guard import FrontLimits, Guard, default_limits, resolve_api_key, resolve_lora_admin_key
+from inflight.serving.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+)
 from inflight.serving.openai.served_model import ServedModel
 from inflight.serving.openai.serving_chat import OpenAIServingChat
 from inflight.serving.openai.serving_completion import OpenAIServingCompletion
 from inflight.serving.openai.serving_engine import error_response
+from inflight.serving.openai.serving_models import OpenAIServingModels
 from inflight.serving.openai.triton_stream import TritonLLM
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|[A-Z]\w*)$")
@@ -60,6 +68,7 @@ def create_app(
     model_dir: str | Path | None = None,
     limits: FrontLimits | None = None,
     api_key: str | None = None,
+    lora_admin_key: str | None = None,
 ) -> FastAPI:
     """The ASGI app for Triton's gRPC endpoint `triton_url` (host:port), serving Triton model `model`.
 
@@ -67,12 +76,15 @@ def create_app(
     the Triton model's config (the same machine), or the embedded demo model when that is empty.
     limits: the front's bounds (guard.py; default: `default_limits()`). api_key: required as a Bearer token on
     /v1/* (default: limits.api_key, else $INFLIGHT_API_KEY, else $VLLM_API_KEY; none of them: no key).
+    lora_admin_key: the Triton server's LoRA admin key, which the load/unload endpoints send (default:
+    limits.lora_admin_key, else $INFLIGHT_LORA_ADMIN_KEY; none: runtime LoRA updating is off here).
     """
     limits = limits or default_limits()
     llm = TritonLLM(triton_url, model, stream_timeout_s=limits.stream_timeout_s)
     served = ServedModel(llm, served_model_name or model, model_dir)
     serving_chat = OpenAIServingChat(served)
     serving_completion = OpenAIServingCompletion(served)
+    serving_models = OpenAIServingModels(served, resolve_lora_admin_key(lora_admin_key or limits.lora_admin_key))
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -89,8 +101,15 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": served.served_model_name, "object": "model", "created": served.created}
-        return {"object": "list", "data": [card | {"owned_by": "inflight"}]}
+        return await serving_models.show_available_models()
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        return await serving_models.load_lora_adapter(body)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        return await serving_models.unload_lora_adapter(body)
 
     @app.get("/health")
     async def health() -> Response:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 API_KEY_ENV = ("INFLIGHT_API_KEY", "VLLM_API_KEY")
+LORA_ADMIN_KEY_ENV = "INFLIGHT_LORA_ADMIN_KEY"  # the Triton model reads its key from the same variable
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class FrontLimits:
     stream_timeout_s: float = 120.0
     max_inflight: int = 256  # generation requests in this front at once (4x the engine's default max_num_seqs)
     api_key: str | None = field(default=None, repr=False)  # None: $INFLIGHT_API_KEY, else $VLLM_API_KEY, else none
+    # The Triton server's LoRA admin key, for /v1/load_lora_adapter and /v1/unload_lora_adapter (None:
+    # $INFLIGHT_LORA_ADMIN_KEY, else those endpoints are off). `inflight serve` sets it per launch.
+    lora_admin_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_inflight"):
@@ -69,6 +73,11 @@ def resolve_api_key(flag: str | None) -> str | None:
         if os.environ.get(name):
             return os.environ[name]
     return None
+
+
+def resolve_lora_admin_key(flag: str | None) -> str | None:
+    """The LoRA admin key given, else $INFLIGHT_LORA_ADMIN_KEY; None: runtime LoRA updating is off."""
+    return flag or os.environ.get(LORA_ADMIN_KEY_ENV) or None
 
 
 async def _respond(send, status: int, message: str, kind: str, code: str, headers=()) -> None:

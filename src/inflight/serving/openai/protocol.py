@@ -31,13 +31,28 @@ def _bounded(field: str, value: Any, limit: int = MAX_LIST_ITEMS) -> Any:
 
 
 class RequestError(ValueError):
-    """A 400 the front decides itself; `param` is the OpenAI field."""
+    """An error the front decides itself (a 400 unless `status` says otherwise); `param` is the OpenAI field."""
 
-    def __init__(self, message: str, param: str | None, code: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None, code: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.code = code
+        self.status = status
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/load_lora_adapter` (vLLM's): register a PEFT adapter directory under a name."""
+
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """`POST /v1/unload_lora_adapter` (vLLM's): forget an adapter by name (`lora_int_id` is accepted, unused)."""
+
+    lora_name: str = ""
+    lora_int_id: int | None = None
 
 
 class StreamOptions(BaseModel):
@@ -242,4 +257,6 @@ def openai_param(field: str | None, request: CompletionRequest | ChatCompletionR
         return "top_logprobs"
     if field == "structured_outputs":
         return "response_format"
+    if field == "lora_name":  # the front names the adapter from `model`
+        return "model"
     return field

@@ -46,11 +46,12 @@ class OpenAIServer:
         model_dir: str | Path | None = None,
         limits: FrontLimits | None = None,
         api_key: str | None = None,
+        lora_admin_key: str | None = None,
     ) -> None:
         self.host = host
         self.port = port
         kwargs = dict(model=model, served_model_name=served_model_name, model_dir=model_dir, limits=limits,
-                      api_key=api_key)  # fmt: skip
+                      api_key=api_key, lora_admin_key=lora_admin_key)  # fmt: skip
         self._server = uvicorn.Server(_config(triton_url, host, port, **kwargs))
         self._thread: threading.Thread | None = None
 

@@ -29,8 +29,12 @@ T = TypeVar("T")
 _JSON_SEPARATORS = (",", ":")
 
 
+_ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+                503: "service_unavailable", 504: "timeout"}  # fmt: skip
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {400: "invalid_request_error", 503: "service_unavailable", 504: "timeout"}.get(status, "server_error")
+    kind = _ERROR_TYPES.get(status, "server_error")
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
@@ -82,6 +86,7 @@ class ServeContext:
     echo: str = ""  # prompt text the response repeats before the output (completions' `echo`)
     top_logprobs: int | None = None  # None: no logprobs asked for
     sampling: dict[str, Any] = field(default_factory=dict)
+    lora_name: str | None = None  # the LoRA adapter `model` names (None: the base model)
 
 
 class OpenAIServing:
@@ -120,8 +125,10 @@ class OpenAIServing:
     async def create(self, request: Request, body: CompletionRequest | ChatCompletionRequest) -> Response:
         ctx = ServeContext(body, self.request_id_prefix + uuid.uuid4().hex)
         try:
-            self.model.check_model(body.model)
+            ctx.lora_name = await self.model.resolve_model(body.model)
             await self.prepare(ctx)
+            if ctx.lora_name is not None:
+                ctx.sampling["lora_name"] = ctx.lora_name  # Triton's vLLM backend names the adapter here
             if not body.stream:
                 return JSONResponse(await until_disconnected(request, self._collect(ctx)))
             outputs = self._outputs(ctx, stream=True)
@@ -147,10 +154,13 @@ class OpenAIServing:
 
     def _error(self, ctx: ServeContext, e: Exception) -> JSONResponse:
         if isinstance(e, RequestError):
-            return error_response(400, e.message, e.param, e.code)
+            return error_response(e.status, e.message, e.param, e.code)
         if isinstance(e, ModelError):
             if not e.kind.is_users:
                 return error_response(500, e.message)
+            if e.field == "lora_name":  # the adapter `model` named is gone (unloaded since it was listed)
+                self.model.forget_adapters()
+                return error_response(404, e.message, "model", "model_not_found")
             return error_response(400, e.message, openai_param(e.field, ctx.body))
         if isinstance(e, TritonTimeout):
             return error_response(504, str(e), code="timeout")

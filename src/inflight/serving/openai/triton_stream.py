@@ -78,6 +78,16 @@ def classify_error(text: str) -> ModelError | TritonUnavailable:
     return ModelError(tagged.message, tagged.kind, tagged.field)
 
 
+def _admin_error(text: str) -> ModelError | TritonUnavailable:
+    """A lora_admin refusal: the tagged kind and field as they are (an in-use adapter's UNAVAILABLE included)."""
+    tagged = read_tagged(text)
+    if tagged is not None:
+        return ModelError(tagged.message, tagged.kind, tagged.field)
+    if "lora_admin" in text:  # Triton's own complaint: the model's config has no such input
+        return ModelError(f"the model does not take LoRA admin requests: {text}", ErrorKind.INVALID, "lora_admin")
+    return TritonUnavailable(text)
+
+
 def _input(name: str, array: np.ndarray) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
     tensor.set_data_from_numpy(array)
@@ -203,6 +213,38 @@ class TritonLLM:
                 task.add_done_callback(self._draining.discard)
             else:
                 call.cancel()
+
+    async def lora_admin(self, body: Mapping[str, Any], request_id: str = "") -> dict[str, Any]:
+        """Send the model's `lora_admin` input (JSON: list, load or unload adapters) and return its one JSON
+        answer. A refusal raises ModelError with the tagged kind and field, whatever the kind (the caller
+        maps each); an untagged error (Triton's own) raises TritonUnavailable, except that a model without
+        the `lora_admin` input raises ModelError naming it."""
+        inputs = [_input("lora_admin", np.array([json.dumps(dict(body)).encode()], dtype=np.object_))]
+
+        async def requests():
+            yield {"model_name": self.model, "inputs": inputs, "request_id": request_id}
+
+        call = self.client.stream_infer(requests())
+        try:
+            async for result, error in call:
+                if error is not None:
+                    raise _admin_error(error.message() or str(error))
+                output = self._output(result)
+                if output.final or output.text:
+                    try:
+                        answer = json.loads(output.text)
+                    except json.JSONDecodeError:
+                        text = output.text[:200]
+                        raise ModelError(f"model '{self.model}' answered lora_admin with {text!r}") from None
+                    return answer
+        except grpc.RpcError as e:
+            code = e.code() if isinstance(e, grpc.aio.AioRpcError) else None
+            raise TritonUnavailable(f"Triton at {self.url}: {code.name if code else ''} {e.details()}") from None
+        finally:
+            task = asyncio.get_running_loop().create_task(_drain(call))  # the server ends the stream itself
+            self._draining.add(task)
+            task.add_done_callback(self._draining.discard)
+        raise TritonUnavailable(f"Triton at {self.url} ended the lora_admin stream without an answer")
 
     @staticmethod
     def _output(result) -> ModelOutput:
