@@ -177,6 +177,8 @@ def test_an_adapter_in_use_is_not_unloaded(demo_model_dir, adapters):
     engine = lora_engine(demo_model_dir, {"qv8": adapters["qv8"]})
     engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), lora_request=LoRARequest("qv8"))
     engine.step()
+    snap = engine.snapshot()
+    assert (snap.running_lora_adapters, snap.waiting_lora_adapters, snap.max_lora) == (("qv8",), (), 4)
     with pytest.raises(InvalidRequestError, match="in use by 1 unfinished request"):
         engine.remove_lora("qv8")
     while engine.has_unfinished_requests():

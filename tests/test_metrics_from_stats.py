@@ -80,3 +80,22 @@ def test_histograms_observe_both_names():
     assert made["vllm:time_to_first_token_seconds"].metrics[0].observed == [0.1]
     assert made["inflight_time_per_output_token_seconds"].metrics[0].observed == []
     assert made["inflight_e2e_request_latency_seconds"].metrics[0].observed == [0.5]
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters():
+    metrics, made = _metrics()
+    base = SchedulerStats(2, 1, 5, 59, 3, 4, STEP, 0.25)
+    metrics.update(base, IterationStats())
+    assert "vllm:lora_requests_info" not in made  # LoRA off: no series
+    lora = SchedulerStats(2, 1, 5, 59, 3, 4, STEP, 0.25, ("a", "b"), ("c",), 4)
+    metrics.update(lora, IterationStats())
+    metrics.update(lora.idle(), IterationStats())
+    series = {tuple(sorted(x.labels.items())): x.value for x in made["vllm:lora_requests_info"].metrics}
+    running = dict(next(iter(series))).get("running_lora_adapters")
+    assert running == "a,b" and len(series) == 2
+    labels = [dict(k) for k in series]
+    assert {(x["running_lora_adapters"], x["waiting_lora_adapters"], x["max_lora"]) for x in labels} == {
+        ("a,b", "c", "4"),
+        ("", "", "4"),
+    }
+    assert all(v > 1e9 for v in series.values())  # set to the time (vLLM: set_to_current_time)

@@ -274,7 +274,21 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             last_step=self.last_step_stats,
             **self.spec_decode_counters,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict:
+        if self.lora is None:
+            return {}
+
+        def adapters(seqs: list[Sequence]) -> tuple[str, ...]:
+            return tuple(sorted({s.lora_name for s in seqs if s.lora_name is not None}))
+
+        return {
+            "running_lora_adapters": adapters(self.scheduler.running),
+            "waiting_lora_adapters": adapters(self.scheduler.waiting),
+            "max_lora": self.config.max_loras,
+        }
 
     @property
     def num_unfinished(self) -> int:

@@ -58,6 +58,10 @@ class EngineSnapshot:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+    # LoRA (vLLM's lora_requests_info): the adapters of running and of waiting requests, and max_loras (0: LoRA off)
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class SchedulerStats:
     max_num_seqs: int
     last_step: StepStats | None
     max_arrival_spread_s: float = 0.0  # the largest arrival spread of any step of this core so far
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0  # 0: LoRA off
 
     @classmethod
     def of(cls, snap: EngineSnapshot, max_arrival_spread_s: float = 0.0) -> SchedulerStats:
@@ -84,13 +91,23 @@ class SchedulerStats:
             snap.max_num_seqs,
             snap.last_step,
             max_arrival_spread_s,
+            snap.running_lora_adapters,
+            snap.waiting_lora_adapters,
+            snap.max_lora,
         )
 
     def idle(self) -> SchedulerStats:
         """The same cache with nothing in it (a core that died holds nothing)."""
         total = self.num_kv_blocks_used + self.num_kv_blocks_free
         return dataclasses.replace(
-            self, num_running=0, num_waiting=0, num_kv_blocks_used=0, num_kv_blocks_free=total, num_kv_blocks_cached=0
+            self,
+            num_running=0,
+            num_waiting=0,
+            num_kv_blocks_used=0,
+            num_kv_blocks_free=total,
+            num_kv_blocks_cached=0,
+            running_lora_adapters=(),
+            waiting_lora_adapters=(),
         )
 
 

@@ -10,6 +10,7 @@ MetricFamily invalidates its metrics.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -90,6 +91,8 @@ GAUGES: dict[str, tuple[Name, ...]] = {
         ("inflight_batch_arrival_spread_max_seconds", "Largest arrival spread of any step so far")
     ),
 }
+LORA_INFO = ("vllm:lora_requests_info", "Running stats on lora requests.")
+MAX_LORA_INFO_SERIES = 256
 # The engine core process: its pid and its KV capacity (gauges set at each start), and the starts.
 CORE_GAUGES: dict[str, tuple[Name, ...]] = {
     "pid": _names(("inflight_engine_core_pid", "Process id of the running engine core process")),
@@ -162,6 +165,7 @@ class TritonMetrics:
         self.core_starts = self._series(CORE_STARTS, kind.COUNTER)
         self.histograms = {key: self._series(n, kind.HISTOGRAM, b) for key, (n, b) in HISTOGRAMS.items()}
         self._accepted_per_position: list[_Series] = []
+        self._lora_series: dict[tuple, _Series] = {}
         self._max_spread = 0.0
 
     def _series(self, names: tuple[Name, ...], kind, buckets: list[float] | None = None) -> _Series:
@@ -196,6 +200,21 @@ class TritonMetrics:
                 self._accepted_per_position[pos].increment(value)
         for key, value in self._gauge_values(state, counts).items():
             self.gauges[key].set(value)
+        if state.max_lora:
+            self._lora_info(state)
+
+    def _lora_info(self, state: SchedulerStats) -> None:
+        """vLLM's `vllm:lora_requests_info`: one series per (running, waiting) set of adapters, its value the time
+        it was last set (a reader takes the newest)."""
+        key = (state.max_lora, state.running_lora_adapters, state.waiting_lora_adapters)
+        series = self._lora_series.get(key)
+        if series is None:
+            if len(self._lora_series) >= MAX_LORA_INFO_SERIES:  # bounded: the oldest combinations go
+                self._lora_series.pop(next(iter(self._lora_series)))
+            labels = (("max_lora", str(key[0])), ("running_lora_adapters", ",".join(key[1])),
+                      ("waiting_lora_adapters", ",".join(key[2])))  # fmt: skip
+            series = self._lora_series[key] = self._series((Name(*LORA_INFO, labels),), self._family_cls.GAUGE)
+        series.set(time.time())
 
     def _gauge_values(self, state: SchedulerStats, counts: IterationStats) -> dict[str, float]:
         total_blocks = state.num_kv_blocks_used + state.num_kv_blocks_free
