@@ -270,19 +270,11 @@ def _openai(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(ns: argparse.Namespace) -> int:
-    from inflight.launcher.server import LauncherError, TritonServer
-    from inflight.launcher.supervisor import serve
-    from inflight.serving.openai.guard import set_default_limits
-
-    # A fresh LoRA admin key per launch, known to tritonserver and the OpenAI API only, when adapters may be
-    # loaded at run time; without it the model refuses load and unload.
-    lora_admin_key = secrets.token_urlsafe(32) if runtime_lora_updating(ns) else None
-    # serve() builds the OpenAI server with create_app's default limits: these.
-    set_default_limits(dataclasses.replace(_openai_limits(ns), lora_admin_key=lora_admin_key))
-
+def serve_parameters(ns: argparse.Namespace) -> tuple[dict[str, object], dict[str, str]]:
+    """`inflight serve`'s config.pbtxt parameters and its LoRA adapters (name -> directory as given), which go
+    to the repository copy's multi_lora.json rather than to a parameter, as Triton's vLLM backend has them."""
     parameters: dict[str, object] = dict(engine_args(ns))
-    lora_modules = parameters.pop("lora_modules", None) or {}  # written to the repository copy's multi_lora.json
+    lora_modules = parameters.pop("lora_modules", None) or {}
     if lora_modules:
         if parameters.get("enable_lora") is False:
             raise SystemExit("inflight serve: --lora-modules serves LoRA adapters: drop --no-enable-lora")
@@ -302,6 +294,22 @@ def _serve(ns: argparse.Namespace) -> int:
         if not sep or not key:
             raise SystemExit(f"inflight serve: --param {item!r} must look like KEY=VALUE")
         parameters[key] = value
+    return parameters, lora_modules
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from inflight.launcher.server import LauncherError, TritonServer
+    from inflight.launcher.supervisor import serve
+    from inflight.serving.openai.guard import set_default_limits
+
+    # A fresh LoRA admin key per launch, known to tritonserver and the OpenAI API only, when adapters may be
+    # loaded at run time; without it the model refuses load and unload.
+    lora_admin_key = secrets.token_urlsafe(32) if runtime_lora_updating(ns) else None
+    # serve() builds the OpenAI server with create_app's default limits: these.
+    set_default_limits(dataclasses.replace(_openai_limits(ns), lora_admin_key=lora_admin_key))
+
+    parameters, lora_modules = serve_parameters(ns)
+    model = parameters.get("model")
     try:
         server = TritonServer(
             ns.model_repository,
