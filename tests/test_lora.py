@@ -199,3 +199,23 @@ def test_adapter_rows_on_a_gpu_with_cuda_graphs_equal_eager_steps(demo_model_dir
         engine = lora_engine(demo_model_dir, adapters, device="cuda", enforce_eager=eager)
         results.append(run(engine, requests, params))
     assert results[0] == results[1]
+
+
+def test_speculative_decoding_with_adapters_keeps_their_greedy_output(demo_model_dir, adapters):
+    # Repetitive prompts: the n-gram proposer drafts, and verification must run the drafts through each adapter
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    requests = [(f"r{i}", (PROMPTS[i] + " ") * 4, [*ADAPTERS, None][i % 5]) for i in range(5)]
+    plain = run(lora_engine(demo_model_dir, adapters), requests, params)
+    engine = lora_engine(demo_model_dir, adapters, speculative_config=spec)
+    assert run(engine, requests, params) == plain
+    assert engine.spec_decode_counters["spec_decode_num_drafts"] > 0
+
+
+def test_structured_outputs_with_an_adapter(demo_model_dir, adapters):
+    engine = lora_engine(demo_model_dir, adapters)
+    so = {"choice": ["red garden", "blue river", "quiet forest"]}
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, structured_outputs=so)
+    tokens = run(engine, [(f"r{i}", PROMPTS[i], [*ADAPTERS][i % 4]) for i in range(4)], params)
+    texts = {engine.tokenizer.decode(t) for t in tokens.values()}
+    assert texts <= set(so["choice"]), texts

@@ -213,3 +213,28 @@ def test_packed_weights_stay_the_files_size(gguf_path):
     assert held <= 1.15 * file_bytes, (held, file_bytes)
     dequantized, _ = load_model(gguf_path, torch.bfloat16, "cpu", "dequantized")
     assert weight_bytes(dequantized) > 2.5 * held  # bf16 weights and the tied head's packed copy
+
+
+def test_lora_adapters_on_smollm2_equal_peft(gguf_path, tokenizer, hf_smollm, tmp_path):
+    # Two adapters (rank 8 on attention, rank 16 on every projection) and base rows in one batch, greedy
+    from helpers.lora import make_adapter, peft_model
+
+    from inflight.lora_request import LoRARequest
+
+    pytest.importorskip("peft")
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    targets = {"att8": (8, attention), "all16": (16, [*attention, "gate_proj", "up_proj", "down_proj"])}
+    dirs = {n: make_adapter(hf_smollm, tmp_path / n, r, t, seed=i, scale=0.2)
+            for i, (n, (r, t)) in enumerate(targets.items())}  # fmt: skip
+    args = dict(dtype="float32", max_num_seqs=6, num_kv_blocks=48, max_model_len=256)
+    llm = LLM(gguf_path, **args, enable_lora=True, max_loras=2, max_lora_rank=16, lora_modules=dirs)
+    prompts = PROMPTS[:6]
+    names = ["att8", "all16", None, "all16", "att8", None]
+    outs = llm.generate(prompts, GREEDY, lora_request=[LoRARequest(n) if n else None for n in names])
+    for name in targets:
+        model = peft_model(hf_smollm, dirs[name])
+        for prompt, n, out in zip(prompts, names, outs):
+            if n == name:
+                assert out.token_ids == hf_greedy(model, tokenizer.encode(prompt).ids, MAX_TOKENS), (name, prompt)
+    plain = llm.generate(prompts[0], GREEDY)[0].token_ids
+    assert outs[0].token_ids != plain  # the adapter changed the answer
