@@ -14,7 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
-from e2e_util import ENGINE_ARGS, http_generate
+from e2e_util import ENGINE_ARGS, http_generate, wait_for
 from helpers import PROMPTS
 from helpers.lora import make_adapter
 
@@ -257,7 +257,21 @@ def test_load_use_and_unload_an_adapter_at_run_time(api, oai, adapters, offline,
     assert cards[late]["parent"] == "llm" and cards[late]["root"] == path, cards[late]
 
     assert _http(api.url, "/v1/unload_lora_adapter", {"lora_name": late}).status_code == 401
-    unloaded = _http(api.url, "/v1/unload_lora_adapter", {"lora_name": late}, key=API_KEY)
+    # A request still running with it keeps it: 409 until that request has finished.
+    stream = oai.completions.create(model=late, prompt=prompt, max_tokens=200, temperature=0, stream=True,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    busy = _http(api.url, "/v1/unload_lora_adapter", {"lora_name": late}, key=API_KEY)
+    assert busy.status_code == 409 and "in use" in busy.json()["error"]["message"], busy.text
+    assert busy.json()["error"]["param"] == "lora_name"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"  # it ran on, unharmed
+
+    def unload():
+        reply = _http(api.url, "/v1/unload_lora_adapter", {"lora_name": late}, key=API_KEY)
+        return reply if reply.status_code != 409 else None
+
+    unloaded = wait_for(unload, timeout_s=30)
     assert unloaded.status_code == 200 and unloaded.text == f"Success: LoRA adapter '{late}' removed successfully."
     gone = _http(api.url, "/v1/unload_lora_adapter", {"lora_name": late}, key=API_KEY)
     assert gone.status_code == 404 and "cannot be found" in gone.json()["error"]["message"], gone.text
