@@ -28,7 +28,7 @@ def make_slots(slices: tuple[int, ...], max_loras: int, max_rank: int, seed: int
     if max_loras > 1 and max_rank > 8:
         slots.a[:, 1, 8:] = 0
         slots.b[1, :, 8:] = 0
-    return LoRASlots(*dev(slots.a, slots.b), slots.offsets)
+    return LoRASlots(*dev(slots.a_t, slots.b_t), slots.offsets)
 
 
 def make_step(tokens: int, width: int, dtype: torch.dtype, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

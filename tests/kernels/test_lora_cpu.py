@@ -102,11 +102,11 @@ def test_a_row_gives_the_same_bits_alone_in_any_batch_on_any_thread_count(dtype)
 @needs_op
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_output_gives_the_same_bits_wherever_its_slice_starts(dtype):
-    """Outputs go sixteen at a time from a slice's start, the rest one by one. With the same A in both slices,
+    """Outputs go in vectors from a slice's start, the rest through a partial one. With the same A in both slices,
     (5, 32) computes outputs 0-4 one by one and 32-36 in a group, (37,) the other way round, and every other
-    output at another place in its group: the bits must agree (the same sum tree, the same bf16 rounding)."""
+    output at another place in its vector: the bits must agree (the same chains, the same bf16 rounding)."""
     one = make_slots((37,), 75, max_loras=2, rank=16)
-    two = LoRASlots(one.a.expand(2, -1, -1, -1).contiguous(), one.b, torch.tensor([0, 5, 37]))
+    two = LoRASlots(one.a_t.expand(2, -1, -1, -1).contiguous(), one.b_t, torch.tensor([0, 5, 37]))
     x, out = make_step(9, 75, 37, dtype)
     token_slots = torch.tensor([0, 1] * 4 + [-1], dtype=torch.int32)
     assert torch.equal(native(out, x, one, token_slots), native(out, x, two, token_slots))
@@ -139,7 +139,7 @@ def test_bad_inputs_are_refused():
     with pytest.raises(RuntimeError, match="lora b"):
         native(out[:, :60], x, slots, torch.zeros(4, dtype=torch.int32))
     with pytest.raises(RuntimeError, match="lora offsets"):
-        native(out, x, LoRASlots(slots.a, slots.b, torch.tensor([0, 40, 60])), torch.zeros(4, dtype=torch.int32))
+        native(out, x, LoRASlots(slots.a_t, slots.b_t, torch.tensor([0, 40, 60])), torch.zeros(4, dtype=torch.int32))
 
 
 # ---- the layer stack ----

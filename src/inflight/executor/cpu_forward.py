@@ -62,7 +62,7 @@ class CpuForward:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             for slots in (attn.qkv_lora, attn.o_lora, mlp.gate_up_lora, mlp.down_lora):
-                self.lora += no_lora if slots is None else [slots.a, slots.b, slots.offsets]
+                self.lora += no_lora if slots is None else [slots.a_t, slots.b_t, slots.offsets]
         self.segment_table = torch.tensor(table, dtype=torch.int64).reshape(-1, 5)
         self.kv_caches = [c for pair in kv_caches for c in pair]
         self.scale = cfg.head_dim**-0.5

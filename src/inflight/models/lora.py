@@ -32,24 +32,36 @@ LORA_LINEARS: dict[str, tuple[str, ...]] = {
 
 @dataclass
 class LoRASlots:
-    """One linear's adapter slots."""
+    """One linear's adapter slots. `a` and `b` are views of A and B stored transposed (`a_t`, `b_t`): the CPU op
+    runs both steps as outer products over them; the rank is padded to a whole 16 with zeros."""
 
-    a: torch.Tensor  # fp32 [S, max_loras, max_rank, in_features]
-    b: torch.Tensor  # fp32 [max_loras, out_features, max_rank], scale folded in
+    a_t: torch.Tensor  # fp32 [S, max_loras, in_features, rank]
+    b_t: torch.Tensor  # fp32 [max_loras, rank, out_features], scale folded in
     offsets: torch.Tensor  # int64 [S+1] on the CPU: slice s owns outputs offsets[s]:offsets[s+1]
+
+    @property
+    def a(self) -> torch.Tensor:
+        """A: [S, max_loras, rank, in_features] (a view)."""
+        return self.a_t.transpose(2, 3)
+
+    @property
+    def b(self) -> torch.Tensor:
+        """B: [max_loras, out_features, rank] (a view)."""
+        return self.b_t.transpose(1, 2)
 
     @classmethod
     def empty(
         cls, slice_sizes: tuple[int, ...], in_features: int, max_loras: int, max_rank: int, device: torch.device
     ) -> LoRASlots:
         offsets = torch.tensor([0, *slice_sizes], dtype=torch.int64).cumsum(0)
-        a = torch.zeros(len(slice_sizes), max_loras, max_rank, in_features, device=device)
-        b = torch.zeros(max_loras, int(offsets[-1]), max_rank, device=device)
-        return cls(a, b, offsets)
+        rank = -(-max_rank // 16) * 16
+        a_t = torch.zeros(len(slice_sizes), max_loras, in_features, rank, device=device)
+        b_t = torch.zeros(max_loras, rank, int(offsets[-1]), device=device)
+        return cls(a_t, b_t, offsets)
 
     def clear(self, slot: int) -> None:
-        self.a[:, slot].zero_()
-        self.b[slot].zero_()
+        self.a_t[:, slot].zero_()
+        self.b_t[slot].zero_()
 
 
 _PEFT_KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")

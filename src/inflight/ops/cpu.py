@@ -164,7 +164,13 @@ def lora_apply(
     """out[t, slice s] += B[slot] (A[s, slot] x[t]) for each row with an adapter: the shrink in fp32, the sum
     rounded once to out's dtype (`reference.lora_apply`'s semantics), each row in a fixed order."""
     with record("lora_apply"):
-        (_module or load()).lora_apply(out, x, a, b, offsets, token_slots, MIN_MACS_PER_THREAD)
+        # The op reads A and B transposed (models/lora.py stores them so: no copy there)
+        a_t, b_t = a.transpose(2, 3).contiguous(), b.transpose(1, 2).contiguous()
+        pad = -a_t.shape[3] % 16  # ranks in whole 16s: zero ranks add nothing
+        if pad:
+            a_t = torch.nn.functional.pad(a_t, (0, pad))
+            b_t = torch.nn.functional.pad(b_t, (0, 0, 0, pad))
+        (_module or load()).lora_apply(out, x, a_t, b_t, offsets, token_slots, MIN_MACS_PER_THREAD)
 
 
 _NO_SEGMENTS = torch.empty((0, 5), dtype=torch.int64)

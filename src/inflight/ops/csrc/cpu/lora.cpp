@@ -1,161 +1,124 @@
 // Multi-LoRA on a linear's output (vLLM's punica shrink and expand, in one pass a row): for every row with an
-// adapter slot, per output slice s, t = A[s, slot] x (R fp32 dot products over K), then for the slice's outputs
-// out[n] = out[n] + B[slot, n] . t, summed in fp32 and rounded once to out's dtype. Each dot sums in one fixed
-// order (16 lanes, then a fixed tree across them) that no row's address or neighbours change, so a row's bits do
-// not depend on its batch, the thread count, or whether the per-op path or the layer stack ran it.
+// adapter slot, per output slice s, t = A[s, slot] x (R fp32 sums over K), then for the slice's outputs
+// out[n] = out[n] + B[slot, n] . t, summed in fp32 and rounded once to out's dtype. A and B are stored transposed,
+// so both steps are outer products: a vector of ranks (or of outputs) takes one multiply-add per k (or r), each
+// value summed in an order that no row's address, neighbours or vector width changes. A row's bits do not
+// depend on its batch, the thread count, or whether the per-op path or the layer stack ran it.
 #include "common.h"
 #include "ops.h"
 
 // The vectors pass only between this file's inline functions: no calling convention to keep across builds.
 #pragma GCC diagnostic ignored "-Wpsabi"
+// -ffast-math, but sums keep their written order and products round before they are added: GCC fuses a
+// multiply-add in one loop and not in another, and an output must round the same wherever it is computed.
+#pragma GCC optimize("no-associative-math", "fp-contract=off")
 
-// Sixteen fp32 lanes as GCC vector extensions: one zmm register where the build has AVX-512 (as the other ops),
-// two ymm with AVX2, plain code elsewhere; the same lanes and sums on each, so one source is tested everywhere.
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef float f32x8 __attribute__((vector_size(32)));
-typedef float f32x4 __attribute__((vector_size(16)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+// The build's native fp32 vector as GCC vector extensions: sixteen lanes (one zmm) with AVX-512, eight (one ymm)
+// elsewhere. Lanes never meet (no sums across them), so each width gives the same bits.
+#ifdef __AVX512F__
+constexpr int VW = 16;
+#else
+constexpr int VW = 8;
+#endif
+typedef float vf __attribute__((vector_size(4 * VW)));
+typedef uint16_t vu16 __attribute__((vector_size(2 * VW)));
+typedef uint32_t vu32 __attribute__((vector_size(4 * VW)));
+typedef int32_t vi32 __attribute__((vector_size(4 * VW)));
 
-static inline f32x16 lanes(const float* p) {
-  f32x16 v;
+static inline vf lanes(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-static inline f32x16 lanes(const c10::BFloat16* p) {  // the bits into the top half (exact)
-  u16x16 h;
+static inline vf lanes(const c10::BFloat16* p) {  // the bits into the top half (exact)
+  vu16 h;
   std::memcpy(&h, p, sizeof h);
-  return (f32x16)(__builtin_convertvector(h, u32x16) << 16);
+  return (vf)(__builtin_convertvector(h, vu32) << 16);
 }
-// o[i] = round(o[i] + d[i]) for sixteen outputs: fp32, or bf16 rounded to nearest even as from_f (NaN kept NaN).
-static inline void add_store(float* o, const f32x16& d) {
-  const f32x16 v = lanes(o) + d;
+// o[i] = round(o[i] + d[i]) for a vector of outputs: fp32, or bf16 rounded to nearest even as from_f (NaN kept).
+static inline void add_store(float* o, const vf& d) {
+  const vf v = lanes(o) + d;
   std::memcpy(o, &v, sizeof v);
 }
-static inline void add_store(c10::BFloat16* o, const f32x16& d) {
-  const f32x16 f = lanes(o) + d;
-  u32x16 u;
+static inline void add_store(c10::BFloat16* o, const vf& d) {
+  const vf f = lanes(o) + d;
+  vu32 u;
   std::memcpy(&u, &f, sizeof u);
-  const u32x16 nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const u32x16 nan = (u32x16)((i32x16)((u & 0x7fffffffu) > 0x7f800000u));  // all ones where NaN
-  const u16x16 h = __builtin_convertvector((nan & 0x7fc0u) | (~nan & nearest), u16x16);
+  const vu32 nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const vu32 nan = (vu32)((vi32)((u & 0x7fffffffu) > 0x7f800000u));  // all ones where NaN
+  const vu16 h = __builtin_convertvector((nan & 0x7fc0u) | (~nan & nearest), vu16);
   std::memcpy(o, &h, sizeof h);
 }
+static inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
 
-// The first n (< 16) values, zero past them; eight (a rank-8 adapter's B rows) in one load.
-template <typename T>
-static inline f32x16 partial(const T* p, int64_t n) {
-  f32x16 v = {};
-  for (int64_t i = 0; i < n; ++i) v[i] = to_f(p[i]);
-  return v;
-}
-static inline f32x16 partial(const float* p, int64_t n) {
-  if (n == 8) {
-    f32x8 h;
-    std::memcpy(&h, p, sizeof h);
-    return __builtin_shufflevector(h, f32x8{}, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+// t[r] = sum over k of x[k] * At[k][r] (At: A transposed, [K, R], R a multiple of 16): a vector of ranks takes
+// one multiply-add per k, in four chains (k mod 4, each in order) added as (0 + 1) + (2 + 3): a fixed order at any
+// vector width, and four multiply-adds in flight instead of one.
+template <int NV, typename T>
+static inline void shrink_block(float* t, const float* at, const T* x, int64_t R, int64_t K) {
+  vf c[4][NV] = {};
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4)
+    for (int j = 0; j < 4; ++j) {
+      const float xk = to_f(x[k + j]);
+      const float* row = at + (k + j) * R;
+      for (int v = 0; v < NV; ++v) c[j][v] += xk * lanes(row + VW * v);
+    }
+  for (int j = 0; k < K; ++k, ++j) {
+    const float xk = to_f(x[k]);
+    for (int v = 0; v < NV; ++v) c[j][v] += xk * lanes(at + k * R + VW * v);
   }
-  f32x16 v = {};
-  for (int64_t i = 0; i < n; ++i) v[i] = p[i];
-  return v;
+  for (int v = 0; v < NV; ++v) store(t + VW * v, (c[0][v] + c[1][v]) + (c[2][v] + c[3][v]));
 }
-// Across lanes by halves (lane i + lane i+8, then +4, +2, +1): one tree for every dot.
-static inline float sum(const f32x16& v) {
-  const f32x8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
-  return (q[0] + q[2]) + (q[1] + q[3]);
-}
-
-// sum(c[i]) for i < 16 as the lanes of one vector, by the same tree (lane k + k+8, then +4, +2, +1) on sixteen
-// vectors at once: two shuffles and an add a step instead of a reduction an output.
-static inline f32x16 sum16(const f32x16* c) {
-  f32x16 w[8], x[4], y[2];
-  for (int j = 0; j < 8; ++j)
-    w[j] =
-        __builtin_shufflevector(c[2 * j], c[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-        __builtin_shufflevector(c[2 * j], c[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int j = 0; j < 4; ++j)
-    x[j] = __builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int j = 0; j < 2; ++j)
-    y[j] = __builtin_shufflevector(x[2 * j], x[2 * j + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(x[2 * j], x[2 * j + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-
-// t[r] = A[r] . x for r < R (A's rows K apart), four ranks at a time sharing x's loads; lane j sums k = j mod 16
-// in order, the last K % 16 values last. A rank's sum is the same sequence whichever group it falls in.
 template <typename T>
-static void shrink(float* t, const float* a, const T* x, int64_t R, int64_t K) {
-  const int64_t kv = K & ~int64_t(15), rem = K - kv;
-  const f32x16 xt = partial(x + kv, rem);  // read once a row: every rank's tail uses it
+static void shrink(float* t, const float* at, const T* x, int64_t R, int64_t K) {
   int64_t r = 0;
-  for (; r + 4 <= R; r += 4) {
-    const float *a0 = a + r * K, *a1 = a0 + K, *a2 = a1 + K, *a3 = a2 + K;
-    f32x16 c0 = {}, c1 = {}, c2 = {}, c3 = {};
-    for (int64_t k = 0; k < kv; k += 16) {
-      const f32x16 xv = lanes(x + k);
-      c0 += lanes(a0 + k) * xv;
-      c1 += lanes(a1 + k) * xv;
-      c2 += lanes(a2 + k) * xv;
-      c3 += lanes(a3 + k) * xv;
-    }
-    if (rem) {
-      c0 += partial(a0 + kv, rem) * xt;
-      c1 += partial(a1 + kv, rem) * xt;
-      c2 += partial(a2 + kv, rem) * xt;
-      c3 += partial(a3 + kv, rem) * xt;
-    }
-    t[r] = sum(c0), t[r + 1] = sum(c1), t[r + 2] = sum(c2), t[r + 3] = sum(c3);
-  }
-  for (; r < R; ++r) {
-    const float* ar = a + r * K;
-    f32x16 c = {};
-    for (int64_t k = 0; k < kv; k += 16) c += lanes(ar + k) * lanes(x + k);
-    if (rem) c += partial(ar + kv, rem) * xt;
-    t[r] = sum(c);
-  }
+  for (; r + 4 * VW <= R; r += 4 * VW) shrink_block<4>(t + r, at + r, x, R, K);
+  for (; r + 2 * VW <= R; r += 2 * VW) shrink_block<2>(t + r, at + r, x, R, K);
+  for (; r < R; r += VW) shrink_block<1>(t + r, at + r, x, R, K);
 }
 
-// out[n] = round(out[n] + B[n] . t) for n in lo..hi (B's rows R apart), the dot in the same lane order; sixteen
-// outputs at a time reduced together, the rest one by one, each output by the same tree.
-template <typename T>
-static void expand(T* out, const float* b, const float* t, int64_t R, int64_t lo, int64_t hi) {
-  const int64_t rv = R & ~int64_t(15), rem = R - rv;
-  const f32x16 tt = partial(t + rv, rem);
-  const auto lanes_of = [&](int64_t n) {
-    const float* bn = b + n * R;
-    f32x16 c = {};
-    for (int64_t j = 0; j < rv; j += 16) c += lanes(bn + j) * lanes(t + j);
-    if (rem) c += partial(bn + rv, rem) * tt;
-    return c;
-  };
-  int64_t n = lo;
-  for (; n + 16 <= hi; n += 16) {
-    f32x16 c[16];
-    for (int i = 0; i < 16; ++i) c[i] = lanes_of(n + i);
-    add_store(out + n, sum16(c));
+// out[n] = round(out[n] + sum over r of t[r] * Bt[r][n]) for n in lo..hi (Bt: B transposed, [R, N]), r in order:
+// a vector of outputs takes one multiply-add per r.
+template <int NV, typename T>
+static inline void expand_block(T* out, const float* bt, const float* t, int64_t R, int64_t N) {
+  vf c[NV] = {};
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = bt + r * N;
+    for (int v = 0; v < NV; ++v) c[v] += t[r] * lanes(row + VW * v);
   }
-  for (; n < hi; ++n) out[n] = from_f<T>(to_f(out[n]) + sum(lanes_of(n)));
+  for (int v = 0; v < NV; ++v) add_store(out + VW * v, c[v]);
+}
+template <typename T>
+static void expand(T* out, const float* bt, const float* t, int64_t R, int64_t N, int64_t lo, int64_t hi) {
+  int64_t n = lo;
+  for (; n + 4 * VW <= hi; n += 4 * VW) expand_block<4>(out + n, bt + n, t, R, N);
+  for (; n + VW <= hi; n += VW) expand_block<1>(out + n, bt + n, t, R, N);
+  if (n < hi) {  // the last outputs through the same code, on zero-padded copies
+    const int64_t m = hi - n;
+    alignas(64) float tail[MAX_LORA_RANK * VW] = {};
+    for (int64_t r = 0; r < R; ++r) std::memcpy(tail + r * VW, bt + r * N + n, m * sizeof(float));
+    T o[VW] = {};
+    std::memcpy(o, out + n, m * sizeof(T));
+    expand_block<1>(o, tail, t, R, VW);
+    std::memcpy(out + n, o, m * sizeof(T));
+  }
 }
 
 template <typename T>
 __attribute__((noinline)) void lora_rows(T* out, int64_t os, const T* x, int64_t xs, const LoraWeights& w,
                                          const int32_t* slots, int64_t begin, int64_t end) {
-  float t[MAX_LORA_RANK];
+  alignas(64) float t[MAX_LORA_RANK];
   const int64_t R = w.R;
   for (int64_t row = begin; row < end; ++row) {
     const int64_t slot = slots[row];
     if (slot < 0) continue;
     const T* xr = x + row * xs;
     T* o = out + row * os;
-    const float* b = w.b + slot * w.N * R;
+    const float* bt = w.b + slot * R * w.N;
     for (int64_t s = 0; s < w.S; ++s) {
-      shrink<T>(t, w.a + (s * w.L + slot) * R * w.K, xr, R, w.K);
-      expand<T>(o, b, t, R, w.offsets[s], w.offsets[s + 1]);
+      shrink<T>(t, w.a + (s * w.L + slot) * w.K * R, xr, R, w.K);
+      expand<T>(o, bt, t, R, w.N, w.offsets[s], w.offsets[s + 1]);
     }
   }
 }
@@ -166,13 +129,14 @@ template void lora_rows<c10::BFloat16>(c10::BFloat16*, int64_t, const c10::BFloa
                                        const int32_t*, int64_t, int64_t);
 
 LoraWeights lora_weights(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t K, int64_t N) {
-  TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.dim() == 4 && a.size(3) == K,
-              "lora a: contiguous fp32 [slices, slots, rank, in_features]");
-  const int64_t S = a.size(0), L = a.size(1), R = a.size(2);
-  TORCH_CHECK(S >= 1 && R >= 1 && R <= MAX_LORA_RANK, "lora a: at least one slice, a rank of 1 to ", MAX_LORA_RANK);
-  TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.dim() == 3 && b.size(0) == L && b.size(1) == N &&
-                  b.size(2) == R,
-              "lora b: contiguous fp32 [slots, out_features, rank]");
+  TORCH_CHECK(a.scalar_type() == at::kFloat && a.is_contiguous() && a.dim() == 4 && a.size(2) == K,
+              "lora a: A transposed, contiguous fp32 [slices, slots, in_features, rank]");
+  const int64_t S = a.size(0), L = a.size(1), R = a.size(3);
+  TORCH_CHECK(S >= 1 && R >= 16 && R <= MAX_LORA_RANK && R % 16 == 0, "lora a: at least one slice, a rank of 16 to ",
+              MAX_LORA_RANK, " in whole 16s (zero-padded)");
+  TORCH_CHECK(b.scalar_type() == at::kFloat && b.is_contiguous() && b.dim() == 3 && b.size(0) == L && b.size(1) == R &&
+                  b.size(2) == N,
+              "lora b: B transposed, contiguous fp32 [slots, rank, out_features]");
   TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.device().is_cpu() && offsets.is_contiguous() &&
                   offsets.numel() == S + 1,
               "lora offsets: int64 [slices + 1] on the CPU");

@@ -53,8 +53,8 @@ void write_kv_rows(char* kc, char* vc, const char* kp, int64_t ks, const char* v
 template <typename T>
 void silu_and_mul_rows(T* op, int64_t os, const T* xp, int64_t xs, int64_t I, int64_t begin, int64_t end);
 
-// One linear's adapter slots (models/lora.py's LoRASlots): A fp32 [S, L, R, K], B fp32 [L, N, R] with the scale
-// folded in; slice s owns outputs offsets[s]..offsets[s + 1].
+// One linear's adapter slots (models/lora.py's LoRASlots), stored transposed: A^T fp32 [S, L, K, R], B^T fp32
+// [L, R, N] with the scale folded in, R a multiple of 16; slice s owns outputs offsets[s]..offsets[s + 1].
 struct LoraWeights {
   const float* a;
   const float* b;
