@@ -150,7 +150,6 @@ def test_disconnect_during_a_non_streamed_request_cancels_it(api, server):
 
 
 BAD = {
-    "unknown model": ({"model": "gpt-4"}, "model"),
     "n=3": ({"n": 3}, "n"),
     "negative max_tokens": ({"max_tokens": -5}, "max_tokens"),
     "negative max_completion_tokens": ({"max_completion_tokens": -5}, "max_completion_tokens"),
@@ -188,6 +187,16 @@ def test_bad_request_gets_400_naming_the_field(oai, case, stream):
     assert error["param"] == param, error
     assert error["type"] == "invalid_request_error" and error["message"]
     assert oai.completions.create(model="llm", prompt="Hello", max_tokens=2).choices[0].text  # still serving
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_unknown_model_gets_404_model_not_found(oai, stream):
+    # as OpenAI answers it: the model (or LoRA adapter) does not exist
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], stream=stream)
+    error = info.value.body
+    assert info.value.status_code == 404 and error["param"] == "model" and error["code"] == "model_not_found", error
+    assert "gpt-4" in error["message"]
 
 
 def test_oversized_chat_is_refused_before_templating_naming_the_limit(oai):
