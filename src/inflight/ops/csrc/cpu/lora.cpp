@@ -1,9 +1,11 @@
-// Multi-LoRA on a linear's output (vLLM's punica shrink and expand, in one pass a row): for every row with an
-// adapter slot, per output slice s, t = A[s, slot] x (R fp32 sums over K), then for the slice's outputs
-// out[n] = out[n] + B[slot, n] . t, summed in fp32 and rounded once to out's dtype. A and B are stored transposed,
-// so both steps are outer products: a vector of ranks (or of outputs) takes one multiply-add per k (or r), each
-// value summed in an order that no row's address, neighbours or vector width changes. A row's bits do not
-// depend on its batch, the thread count, or whether the per-op path or the layer stack ran it.
+// Multi-LoRA on a linear's output (vLLM's punica shrink and expand, in one pass over a tile of rows of one
+// adapter): for every row with an adapter slot, per output slice s, t = A[s, slot] x (R fp32 sums over K), then for the
+// slice's outputs out[n] = out[n] + B[slot, n] . t, summed in fp32 and rounded once to out's dtype. A and B are stored
+// transposed, so both steps are outer products: a vector of ranks (or of outputs) takes one multiply-add per k (or r),
+// each value summed in an order that no row's address, neighbours or vector width changes. A row's bits do not depend
+// on its batch, the thread count, or whether the per-op path or the layer stack ran it.
+#include <vector>
+
 #include "common.h"
 #include "ops.h"
 
@@ -50,76 +52,131 @@ static inline void add_store(c10::BFloat16* o, const vf& d) {
   std::memcpy(o, &h, sizeof h);
 }
 static inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+// common.h's to_f, defined again under this file's options: GCC does not inline a function built with other
+// optimization options, and a call per multiply-add costs most of the op.
+static inline float scalar(float x) { return x; }
+static inline float scalar(c10::BFloat16 x) {
+  const uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
-// t[r] = sum over k of x[k] * At[k][r] (At: A transposed, [K, R], R a multiple of 16): a vector of ranks takes
-// one multiply-add per k, in four chains (k mod 4, each in order) added as (0 + 1) + (2 + 3): a fixed order at any
-// vector width, and four multiply-adds in flight instead of one.
-template <int NV, typename T>
-static inline void shrink_block(float* t, const float* at, const T* x, int64_t R, int64_t K) {
-  vf c[4][NV] = {};
-  int64_t k = 0;
-  for (; k + 4 <= K; k += 4)
-    for (int j = 0; j < 4; ++j) {
-      const float xk = to_f(x[k + j]);
-      const float* row = at + (k + j) * R;
-      for (int v = 0; v < NV; ++v) c[j][v] += xk * lanes(row + VW * v);
+// A tile: up to MR rows of one adapter run together, so each vector of A and B read serves them all (a row alone
+// streams its adapter's A and B from L2 again). A tile's accumulators fill at most ACC vector registers.
+constexpr int MR = 4;
+constexpr int ACC = VW == 16 ? 16 : 8;
+static constexpr int vectors_for(int rows) {
+  const int nv = ACC / rows;
+  return nv < 1 ? 1 : (nv > 4 ? 4 : nv);
+}
+
+// t[m][r] = sum over k of x[m][k] * At[k][r] for M rows (At: A transposed, [K, R]), k in order: a vector of
+// ranks takes one multiply-add per k; the tile's rows and vectors keep enough of them in flight.
+template <int M, int NV, typename T>
+static inline void shrink_tile(float* const* t, int64_t r0, const float* at, const T* const* x, int64_t R, int64_t K) {
+  vf c[M][NV] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* row = at + k * R + r0;
+    vf a[NV];
+    for (int v = 0; v < NV; ++v) a[v] = lanes(row + VW * v);
+    for (int m = 0; m < M; ++m) {
+      const float xk = scalar(x[m][k]);
+      for (int v = 0; v < NV; ++v) c[m][v] += xk * a[v];
     }
-  for (int j = 0; k < K; ++k, ++j) {
-    const float xk = to_f(x[k]);
-    for (int v = 0; v < NV; ++v) c[j][v] += xk * lanes(at + k * R + VW * v);
   }
-  for (int v = 0; v < NV; ++v) store(t + VW * v, (c[0][v] + c[1][v]) + (c[2][v] + c[3][v]));
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) store(t[m] + r0 + VW * v, c[m][v]);
 }
-template <typename T>
-static void shrink(float* t, const float* at, const T* x, int64_t R, int64_t K) {
+template <int M, typename T>
+static void shrink(float* const* t, const float* at, const T* const* x, int64_t R, int64_t K) {
+  constexpr int NV = vectors_for(M);
   int64_t r = 0;
-  for (; r + 4 * VW <= R; r += 4 * VW) shrink_block<4>(t + r, at + r, x, R, K);
-  for (; r + 2 * VW <= R; r += 2 * VW) shrink_block<2>(t + r, at + r, x, R, K);
-  for (; r < R; r += VW) shrink_block<1>(t + r, at + r, x, R, K);
+  for (; r + NV * VW <= R; r += NV * VW) shrink_tile<M, NV>(t, r, at, x, R, K);
+  for (; r + 2 * VW <= R; r += 2 * VW) shrink_tile<M, 2>(t, r, at, x, R, K);
+  for (; r < R; r += VW) shrink_tile<M, 1>(t, r, at, x, R, K);
 }
 
-// out[n] = round(out[n] + sum over r of t[r] * Bt[r][n]) for n in lo..hi (Bt: B transposed, [R, N]), r in order:
-// a vector of outputs takes one multiply-add per r.
-template <int NV, typename T>
-static inline void expand_block(T* out, const float* bt, const float* t, int64_t R, int64_t N) {
-  vf c[NV] = {};
+// out[m][n] = round(out[m][n] + sum over r of t[m][r] * Bt[r][n]) for M rows (Bt: B transposed, [R, N]), r in
+// order: a vector of outputs takes one multiply-add per r.
+template <int M, int NV, typename T>
+static inline void expand_tile(T* const* out, int64_t n, const float* bt, const float* const* t, int64_t R, int64_t N) {
+  vf c[M][NV] = {};
   for (int64_t r = 0; r < R; ++r) {
-    const float* row = bt + r * N;
-    for (int v = 0; v < NV; ++v) c[v] += t[r] * lanes(row + VW * v);
+    const float* row = bt + r * N + n;
+    vf b[NV];
+    for (int v = 0; v < NV; ++v) b[v] = lanes(row + VW * v);
+    for (int m = 0; m < M; ++m) {
+      const float tr = t[m][r];
+      for (int v = 0; v < NV; ++v) c[m][v] += tr * b[v];
+    }
   }
-  for (int v = 0; v < NV; ++v) add_store(out + VW * v, c[v]);
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) add_store(out[m] + n + VW * v, c[m][v]);
 }
-template <typename T>
-static void expand(T* out, const float* bt, const float* t, int64_t R, int64_t N, int64_t lo, int64_t hi) {
+template <int M, typename T>
+static void expand(T* const* out, const float* bt, const float* const* t, int64_t R, int64_t N, int64_t lo,
+                   int64_t hi) {
+  constexpr int NV = vectors_for(M);
   int64_t n = lo;
-  for (; n + 4 * VW <= hi; n += 4 * VW) expand_block<4>(out + n, bt + n, t, R, N);
-  for (; n + VW <= hi; n += VW) expand_block<1>(out + n, bt + n, t, R, N);
+  for (; n + NV * VW <= hi; n += NV * VW) expand_tile<M, NV>(out, n, bt, t, R, N);
+  for (; n + VW <= hi; n += VW) expand_tile<M, 1>(out, n, bt, t, R, N);
   if (n < hi) {  // the last outputs through the same code, on zero-padded copies
     const int64_t m = hi - n;
     alignas(64) float tail[MAX_LORA_RANK * VW] = {};
     for (int64_t r = 0; r < R; ++r) std::memcpy(tail + r * VW, bt + r * N + n, m * sizeof(float));
-    T o[VW] = {};
-    std::memcpy(o, out + n, m * sizeof(T));
-    expand_block<1>(o, tail, t, R, VW);
-    std::memcpy(out + n, o, m * sizeof(T));
+    T o[M][VW] = {};
+    T* op[M];
+    for (int i = 0; i < M; ++i) {
+      std::memcpy(o[i], out[i] + n, m * sizeof(T));
+      op[i] = o[i];
+    }
+    expand_tile<M, 1>(op, 0, tail, t, R, VW);
+    for (int i = 0; i < M; ++i) std::memcpy(out[i] + n, o[i], m * sizeof(T));
+  }
+}
+
+// M rows of one slot: per output slice, the shrink then the expand.
+template <int M, typename T>
+static void lora_tile(T* const* out, const T* const* x, const LoraWeights& w, int64_t slot) {
+  alignas(64) float t[M][MAX_LORA_RANK];
+  float* tp[M];
+  for (int m = 0; m < M; ++m) tp[m] = t[m];
+  const int64_t R = w.R;
+  const float* bt = w.b + slot * R * w.N;
+  for (int64_t s = 0; s < w.S; ++s) {
+    shrink<M, T>(tp, w.a + (s * w.L + slot) * w.K * R, x, R, w.K);
+    expand<M, T>(out, bt, tp, R, w.N, w.offsets[s], w.offsets[s + 1]);
   }
 }
 
 template <typename T>
 __attribute__((noinline)) void lora_rows(T* out, int64_t os, const T* x, int64_t xs, const LoraWeights& w,
                                          const int32_t* slots, int64_t begin, int64_t end) {
-  alignas(64) float t[MAX_LORA_RANK];
-  const int64_t R = w.R;
-  for (int64_t row = begin; row < end; ++row) {
-    const int64_t slot = slots[row];
-    if (slot < 0) continue;
-    const T* xr = x + row * xs;
-    T* o = out + row * os;
-    const float* bt = w.b + slot * R * w.N;
-    for (int64_t s = 0; s < w.S; ++s) {
-      shrink<T>(t, w.a + (s * w.L + slot) * w.K * R, xr, R, w.K);
-      expand<T>(o, bt, t, R, w.N, w.offsets[s], w.offsets[s + 1]);
+  // the rows with an adapter, grouped by slot (row order kept within a slot), then tiles of up to MR rows
+  std::vector<int64_t> rows;
+  rows.reserve(end - begin);
+  for (int64_t row = begin; row < end; ++row)
+    if (slots[row] >= 0) rows.push_back(row);
+  std::stable_sort(rows.begin(), rows.end(), [&](int64_t a, int64_t b) { return slots[a] < slots[b]; });
+  for (size_t i = 0; i < rows.size();) {
+    const int32_t slot = slots[rows[i]];
+    int m = 0;
+    T* op[MR];
+    const T* xp[MR];
+    for (; m < MR && i < rows.size() && slots[rows[i]] == slot; ++m, ++i) {
+      op[m] = out + rows[i] * os;
+      xp[m] = x + rows[i] * xs;
     }
+    static_assert(MR == 4, "a tile of each size up to MR");
+    if (m == 4)
+      lora_tile<4, T>(op, xp, w, slot);
+    else if (m == 3)
+      lora_tile<3, T>(op, xp, w, slot);
+    else if (m == 2)
+      lora_tile<2, T>(op, xp, w, slot);
+    else
+      lora_tile<1, T>(op, xp, w, slot);
   }
 }
 
