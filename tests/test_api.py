@@ -41,6 +41,9 @@ def no_leaked_blocks(request):
         (dict(best_of=3), r"best_of=3 is invalid"),
         (dict(seed=2**64), r"seed=18446744073709551616 is invalid: must be in \[0, 2\*\*63\)"),
         (dict(max_tokens="5"), r"max_tokens='5' is invalid: must be of type int"),
+        (dict(logit_bias={"7": 100.5}), r"logit_bias\[7\]=100.5 is invalid: must be a number in \[-100, 100\]"),
+        (dict(logit_bias={"x": 1}), r"logit_bias='x' is invalid: must be keyed by non-negative token ids"),
+        (dict(logit_bias=[1, 2]), r"logit_bias=\[1, 2\] is invalid: must be an object"),
     ],
 )
 def test_bad_sampling_params_name_field_value_and_range(kwargs, match):
@@ -171,6 +174,35 @@ def test_unseeded_requests_differ_and_temperature_zero_is_greedy(llm):
     assert len({tuple(o.token_ids) for o in outs}) > 1
     greedy = llm.generate([PROMPTS[0]] * 2, SamplingParams(temperature=0, max_tokens=10))
     assert greedy[0].token_ids == greedy[1].token_ids
+
+
+def test_logit_bias_forces_or_forbids_a_token_and_leaves_other_rows_alone(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(PROMPTS[0], greedy)[0].token_ids
+    forced_id = next(t for t in range(100, 200) if t not in plain)
+    sampled = SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(
+        [PROMPTS[0]] * 4,
+        [
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={str(forced_id): 100}),
+            SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True, logit_bias={forced_id: 100}),
+            SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={plain[0]: -100}),
+            greedy,
+        ],
+    )
+    assert outs[0].token_ids == [forced_id] * 6  # +100: the token every time, greedy or sampled
+    assert outs[1].token_ids == [forced_id] * 6
+    assert plain[0] not in outs[2].token_ids  # -100: never
+    assert outs[3].token_ids == plain  # its neighbours' biases do not touch a row
+    assert llm.generate(PROMPTS[0], sampled)[0].token_ids != outs[1].token_ids
+
+
+def test_logit_bias_outside_the_vocabulary_or_over_the_bound_is_refused(llm, demo_model_dir):
+    with pytest.raises(InvalidRequestError, match=r"logit_bias has token id\(s\) \[1000000\] outside the vocabulary"):
+        llm.generate(PROMPTS[0], SamplingParams(logit_bias={1_000_000: 1}))
+    small = LLM(demo_model_dir, num_kv_blocks=16, max_logit_bias=2)
+    with pytest.raises(InvalidRequestError, match="logit_bias has 3 entries: the limit is max_logit_bias=2"):
+        small.generate(PROMPTS[0], SamplingParams(logit_bias={1: 1, 2: 1, 3: 1}))
 
 
 def test_logprobs_are_returned_when_asked(llm):

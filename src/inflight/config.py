@@ -232,6 +232,7 @@ class EngineConfig:
     # Bounds on what one request may cost (errors name the field and the limit).
     max_logprobs: int = 20  # most top logprobs per token a request may ask for (vLLM's default)
     max_stop_strings: int = 64
+    max_logit_bias: int = 1024  # entries of a request's logit_bias
     max_stop_str_len: int = 1024  # characters; the detokenizer holds back max_stop_str_len - 1 at most
     max_prompt_bytes: int | None = None  # UTF-8 bytes; default: 16 per token of max_model_len
     max_sampling_parameters_bytes: int = 256 << 10  # the sampling_parameters JSON text
@@ -277,6 +278,7 @@ class EngineConfig:
         for name in ("max_grammar_step_time_s", "max_grammar_time_s"):
             check(getattr(self, name) > 0, name, "> 0")
         check(self.max_logprobs >= 0, "max_logprobs", ">= 0")
+        check(self.max_logit_bias >= 0, "max_logit_bias", ">= 0")
         check(self.max_prompt_bytes is None or self.max_prompt_bytes >= 1, "max_prompt_bytes", ">= 1")
         check(self.weight_format in WEIGHT_FORMATS, "weight_format", ", ".join(WEIGHT_FORMATS))
         check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", ", ".join(ATTENTION_BACKENDS))

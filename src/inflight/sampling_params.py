@@ -19,7 +19,8 @@ def _fail(name: str, value: Any, allowed: str) -> None:
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """One output constraint in vLLM's shape: exactly one of json / regex / choice / grammar / json_object.
+    """One output constraint in vLLM's shape: exactly one of json / regex / choice / grammar / json_object /
+    structural_tag.
 
     `key` is the canonical form of the constraint: equal constraints compile once (the grammar cache key).
     """
@@ -29,10 +30,12 @@ class StructuredOutputsParams:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None  # EBNF (GBNF), root rule `root`
     json_object: bool | None = None  # any JSON object
+    # xgrammar's structural tag (an object, or its JSON text): e.g. free text until a trigger, then tagged JSON
+    structural_tag: dict[str, Any] | None = None
     # vLLM's option: JSON without free whitespace between tokens (compact, and far shorter for small models).
     disable_any_whitespace: bool = False
 
-    CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+    CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
     @classmethod
     def from_value(cls, value: Any, field_name: str = "structured_outputs") -> StructuredOutputsParams:
@@ -57,14 +60,16 @@ class StructuredOutputsParams:
         spec = value[kind]
         name = f"{field_name}.{kind}" if field_name == "structured_outputs" else field_name
         kwargs: dict[str, Any] = {}
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
             if isinstance(spec, str):
                 try:
                     spec = json.loads(spec)
                 except json.JSONDecodeError as e:
                     raise InvalidRequestError(f"{name} is not valid JSON: {e}", field_name) from None
-            if not isinstance(spec, (dict, bool)):
+            if kind == "json" and not isinstance(spec, (dict, bool)):
                 _fail(name, spec, "a JSON schema (an object, or its JSON text)")
+            if kind == "structural_tag" and not isinstance(spec, dict):
+                _fail(name, spec, "a structural tag (an object, or its JSON text)")
         elif kind == "choice":
             if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) for c in spec):
                 _fail(name, spec, "a non-empty list of strings")
@@ -136,6 +141,8 @@ class SamplingParams:
     detokenize: bool = True
     # Accepted for vLLM compatibility; the `tokenizers` decoder decides the spacing of special tokens.
     spaces_between_special_tokens: bool = True
+    # token id -> a value added to its logit before sampling, in [-100, 100] (OpenAI's; JSON keys may be strings)
+    logit_bias: dict[int, float] | None = None
     n: int = 1  # sequences per request: only 1 (send n requests for n samples)
     best_of: int | None = None
 
@@ -150,6 +157,7 @@ class SamplingParams:
             setattr(self, name, list(getattr(self, name)))
         self._check_types()
         self._resolve_structured_outputs()
+        self._resolve_logit_bias()
         if self.max_tokens < 1:
             _fail("max_tokens", self.max_tokens, ">= 1")
         if not (0 <= self.min_tokens <= self.max_tokens):
@@ -199,9 +207,31 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputsParams.from_value({_GUIDED_FIELDS[name]: value}, name)
             setattr(self, name, None)  # one home for the constraint: dataclasses.replace() stays valid
 
+    def _resolve_logit_bias(self) -> None:
+        """logit_bias as {int id: float}: ids may come as JSON's string keys; biases in [-100, 100]."""
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            _fail("logit_bias", self.logit_bias, "an object mapping token ids to biases")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                token = -1
+            if isinstance(key, bool) or token < 0 or (isinstance(key, float) and not key.is_integer()):
+                _fail("logit_bias", key, "keyed by non-negative token ids")
+            if isinstance(value, str):
+                value = _coerce("logit_bias", float, value)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias[{key}]={value!r} is invalid: must be a number in [-100, 100]",
+                                          "logit_bias")  # fmt: skip
+            bias[token] = float(value)
+        self.logit_bias = bias or None
+
     def _check_types(self) -> None:
         for name, kind in field_types(SamplingParams).items():
-            if name in _STRUCTURED_FIELDS:  # shapes checked by _resolve_structured_outputs
+            if name in _STRUCTURED_FIELDS or name == "logit_bias":  # shapes checked by their _resolve_*
                 continue
             value = getattr(self, name)
             if not is_scalar(kind):  # list[str] / list[int]

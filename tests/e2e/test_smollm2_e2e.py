@@ -4,6 +4,9 @@ itself) and the same question, rendered by the template, through Triton's gRPC s
 
 from __future__ import annotations
 
+import json
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 from e2e_util import ENGINE_ARGS
 
@@ -45,3 +48,133 @@ def test_the_default_model_answers_paris_over_openai_and_grpc(default_server):
     done = LLMClient(default_server.grpc_url, timeout_s=120).generate(prompt, {"max_tokens": 24, "temperature": 0})
     assert done.text == answer and done.finish_reason == "stop"
     assert len([d for d in done.deltas if d.text]) > 1  # streamed
+
+
+# ---- tool calling on the default model ---------------------------------------------------------------------
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather forecast for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                "metric": {"type": "boolean"},
+            },
+            "required": ["city", "days", "metric"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "The local time in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]}},
+            "required": ["city"],
+        },
+    },
+}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "What will the weather be in Paris for the next 3 days? Use the tools."}]
+
+
+@pytest.fixture(scope="module")
+def tools_api(default_server):
+    from inflight.serving.openai.guard import FrontLimits
+
+    limits = FrontLimits(tool_call_parser="hermes")
+    with OpenAIServer(default_server.grpc_url, port=0, host="127.0.0.1", limits=limits) as api:
+        yield openai.OpenAI(base_url=f"{api.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def _valid_call(call) -> bool:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    return call.type == "function" and call.id.startswith("call_")
+
+
+def _many(fn, n: int) -> list:
+    with ThreadPoolExecutor(16) as pool:
+        return list(pool.map(fn, range(n)))
+
+
+def test_required_and_named_tool_calls_always_parse_and_validate(tools_api):
+    """50 sampled requests each (temperature 1): the arguments are constrained by the schemas."""
+
+    def required(i):
+        return tools_api.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice="required",
+                                                 temperature=1.0, seed=i, max_completion_tokens=160)  # fmt: skip
+
+    def named(i):
+        choice = {"type": "function", "function": {"name": "get_weather"}}
+        return tools_api.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                                 temperature=1.0, seed=i, max_completion_tokens=80)  # fmt: skip
+
+    for answers, reason in ((_many(required, 50), "tool_calls"), (_many(named, 50), "stop")):
+        for a in answers:
+            message = a.choices[0].message
+            assert a.choices[0].finish_reason == reason, message
+            assert message.tool_calls and all(_valid_call(c) for c in message.tool_calls), message
+        names = {c.function.name for a in answers for c in a.choices[0].message.tool_calls}
+        assert names <= {"get_weather", "get_time"}
+
+
+def test_auto_tool_calls_parse_whenever_the_model_opens_one(tools_api):
+    def auto(i):
+        return tools_api.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, temperature=1.0, seed=i,
+                                                 max_completion_tokens=160)  # fmt: skip
+
+    answers = _many(auto, 24)
+    opened = 0
+    for a in answers:
+        message = a.choices[0].message
+        assert "<tool_call>" not in (message.content or ""), message  # an opened call always parses
+        if message.tool_calls:
+            opened += 1
+            assert a.choices[0].finish_reason == "tool_calls"
+            assert all(_valid_call(c) for c in message.tool_calls), message
+    assert opened > 0  # the prompt invites a call; the model takes it at least sometimes
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto", {"type": "function", "function": {"name": "get_time"}}])
+def test_a_streamed_tool_call_assembles_to_the_non_streamed_one(tools_api, tool_choice):
+    kwargs = dict(model="llm", messages=ASK, tools=TOOLS, tool_choice=tool_choice, temperature=0,
+                  max_completion_tokens=120)  # fmt: skip
+    whole = tools_api.chat.completions.create(**kwargs).choices[0]
+    content, calls, reason = "", {}, None
+    for chunk in tools_api.chat.completions.create(**kwargs, stream=True):
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            for c in delta.tool_calls or []:
+                call = calls.setdefault(c.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = c.id or call["id"]
+                call["name"] += (c.function.name or "") if c.function else ""
+                call["arguments"] += (c.function.arguments or "") if c.function else ""
+            reason = choice.finish_reason or reason
+    assert reason == whole.finish_reason
+    assert content == (whole.message.content or "")
+    want = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)] == want
+    assert all(calls[i]["id"] for i in calls)
+
+
+def test_a_tool_result_goes_back_through_the_template(tools_api):
+    first = tools_api.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice="required",
+                                              temperature=0, max_completion_tokens=120)  # fmt: skip
+    call = first.choices[0].message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "sunny", "high_c": 21})},
+    ]
+    answer = tools_api.chat.completions.create(model="llm", messages=history, tools=TOOLS, tool_choice="none",
+                                               temperature=0, max_completion_tokens=40)  # fmt: skip
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 20  # the call and its result were rendered

@@ -28,7 +28,13 @@ from inflight.engine.sequence import FinishReason, Sequence
 from inflight.engine.spec_decode.decoder import SpecDecodeCounters, SpecDecoder
 from inflight.engine.stats import EngineSnapshot, StepStats
 from inflight.engine.structured_output import StructuredOutputManager
-from inflight.engine.validation import check_fits, check_params, check_prompt_token_ids, tokenize_prompt
+from inflight.engine.validation import (
+    check_fits,
+    check_logit_bias_ids,
+    check_params,
+    check_prompt_token_ids,
+    tokenize_prompt,
+)
 from inflight.errors import InvalidRequestError
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
@@ -161,6 +167,7 @@ class LLMEngine:
         if request_id in self._seqs:
             raise InvalidRequestError(f"request_id={request_id!r} is already in flight")
         check_params(self.config, params)
+        check_logit_bias_ids(params, self.model_config.vocab_size)
         adapter = self._adapter_for(lora_request)
         if isinstance(prompt, str):
             token_ids = self.tokenize(prompt)

@@ -44,6 +44,15 @@ def check_prompt_token_ids(prompt: list[int], vocab_size: int) -> list[int]:
     return list(prompt)
 
 
+def check_logit_bias_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Every biased token is in the vocabulary."""
+    bad = sorted(t for t in params.logit_bias or () if t >= vocab_size)
+    if bad:
+        raise InvalidRequestError(
+            f"logit_bias has token id(s) {bad[:5]} outside the vocabulary [0, {vocab_size})", "logit_bias"
+        )
+
+
 def check_fits(num_prompt: int, max_tokens: int, max_model_len: int, kv_capacity: int) -> None:
     """The prompt and every token it may grow to fit max_model_len and the whole KV cache."""
     if num_prompt >= max_model_len:
@@ -72,6 +81,12 @@ def check_fits(num_prompt: int, max_tokens: int, max_model_len: int, kv_capacity
 def check_params(cfg: EngineConfig, params: SamplingParams) -> None:
     """The engine's bounds on one request's parameters."""
     check_structured_outputs(cfg, params.structured_outputs)
+    if params.logit_bias and len(params.logit_bias) > cfg.max_logit_bias:
+        raise InvalidRequestError(
+            f"logit_bias has {len(params.logit_bias)} entries: the limit is max_logit_bias={cfg.max_logit_bias}",
+            "logit_bias",
+            ErrorKind.LIMIT,
+        )
     if params.logprobs is not None and params.logprobs > cfg.max_logprobs:
         raise InvalidRequestError(
             f"logprobs={params.logprobs} is too large: the limit is max_logprobs={cfg.max_logprobs}",
@@ -127,7 +142,7 @@ def check_structured_outputs(cfg: EngineConfig, params: StructuredOutputsParams 
 
 def _spec_depth(kind: str, spec: Any) -> int:
     """How deep a constraint nests: objects/arrays of a JSON schema; brackets of a regex or EBNF grammar."""
-    if kind == "json":
+    if kind in ("json", "structural_tag"):
         depth, stack = 0, [(spec, 1)]
         while stack:
             value, d = stack.pop()

@@ -60,6 +60,7 @@ def sampling_row_values(params: SamplingParams, seed: int) -> dict[str, float | 
         "min_tokens": params.min_tokens,
         "logprobs": -1 if params.logprobs is None else params.logprobs,
         "seeds": seed,
+        "num_logit_bias": len(params.logit_bias or ()),
     }
 
 
@@ -83,6 +84,7 @@ class SamplingMetadata:
         "min_tokens": np.int64,
         "logprobs": np.int64,  # -1: none asked
         "seeds": np.int64,
+        "num_logit_bias": np.int64,  # entries of the row's logit_bias
     }
 
     temperature: np.ndarray
@@ -95,6 +97,7 @@ class SamplingMetadata:
     min_tokens: np.ndarray
     logprobs: np.ndarray
     seeds: np.ndarray
+    num_logit_bias: np.ndarray
     output_lens: np.ndarray  # int64: outputs so far, which is the output index this step samples
     num_prompt_tokens: np.ndarray  # int64
     token_ids: np.ndarray  # [R, L] integer table: row token_rows[i] holds row i's prompt ids, then its outputs
@@ -206,8 +209,8 @@ class Sampler:
         metadata: SamplingMetadata | None = None,
         in_place=False,
     ) -> torch.Tensor:
-        """Repetition / presence / frequency penalties and the min_tokens mask (greedy rows too, as in
-        vLLM and HF). Returns `work` itself when no row needs either, else a modified copy (`work` itself,
+        """logit_bias, repetition / presence / frequency penalties and the min_tokens mask (greedy rows too, as
+        in vLLM and HF). Returns `work` itself when no row needs either, else a modified copy (`work` itself,
         modified, when `in_place`)."""
         md = metadata if metadata is not None else SamplingMetadata.from_seqs(seqs)
         vocab = work.shape[1]
@@ -215,14 +218,23 @@ class Sampler:
             (md.repetition_penalty != 1.0) | (md.presence_penalty != 0.0) | (md.frequency_penalty != 0.0)
         )[0]
         masked_rows, masked_ids = [], []
+        biased_rows, biased_ids, biases = [], [], []
+        for i in np.nonzero(md.num_logit_bias)[0].tolist():
+            for t, b in seqs[i].sampling_params.logit_bias.items():
+                if t < vocab:
+                    biased_rows.append(i), biased_ids.append(t), biases.append(b)
         for i in np.nonzero(md.output_lens < md.min_tokens)[0].tolist():
             ids = [t for t in itertools.chain(self.eos_token_ids, seqs[i].sampling_params.stop_token_ids) if t < vocab]
             masked_rows.extend([i] * len(ids))
             masked_ids.extend(ids)
-        if not (penalized.size or masked_rows):
+        if not (penalized.size or masked_rows or biased_rows):
             return work
         if not in_place:
             work = work.clone()
+        if biased_rows:  # OpenAI's logit_bias: added to the model's logits, before penalties and masks
+            rows = torch.tensor(biased_rows, dtype=torch.int64, device=work.device)
+            ids = torch.tensor(biased_ids, dtype=torch.int64, device=work.device)
+            work.index_put_((rows, ids), torch.tensor(biases, dtype=work.dtype, device=work.device), accumulate=True)
         if penalized.size:
             self._apply_penalties_(work, penalized, md)
         if masked_rows:

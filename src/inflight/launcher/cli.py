@@ -244,6 +244,15 @@ def _add_openai_limits(p: argparse.ArgumentParser, prefix: str) -> None:
         help="seconds a streamed request may wait for Triton's next response, else it is cancelled "
         "with 504 or an error event (0 = no limit; default: 120)",
     )
+    parser_keys = [f"{prefix}tool-call-parser"] + (["--tool-call-parser"] if prefix != "--" else [])
+    g.add_argument(
+        *parser_keys,
+        dest="tool_call_parser",
+        default=None,
+        choices=["hermes", "llama3_json"],
+        help="how the model writes tool calls, for tool_choice 'auto' (vLLM's parser names; default: none, "
+        "'auto' refused; 'required' and a named function work without one)",
+    )
     g.add_argument(f"{prefix}max-inflight-requests", dest="max_inflight", type=int, default=None,
                    help="generation requests in flight at once; more get 429 with Retry-After (default: 256, or "
                    "4 x --max-num-seqs where that is given)")  # fmt: skip
@@ -252,7 +261,7 @@ def _add_openai_limits(p: argparse.ArgumentParser, prefix: str) -> None:
 def _openai_limits(ns: argparse.Namespace):
     from inflight.serving.openai.guard import FrontLimits
 
-    names = ("api_key", "max_body_bytes", "body_timeout_s", "stream_timeout_s", "max_inflight")
+    names = ("api_key", "max_body_bytes", "body_timeout_s", "stream_timeout_s", "max_inflight", "tool_call_parser")
     given = {k: getattr(ns, k) for k in names if getattr(ns, k) is not None}
     if "max_inflight" not in given and getattr(ns, "max_num_seqs", None):
         given["max_inflight"] = 4 * ns.max_num_seqs

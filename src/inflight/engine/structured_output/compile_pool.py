@@ -211,6 +211,8 @@ class CompilePool:
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=whitespace)
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(params.key[1])
             if kind == "choice":
                 # EBNF string literals take JSON's escapes.
                 return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in params.choice))

@@ -31,6 +31,7 @@ from inflight.serving.openai.serving_chat import OpenAIServingChat
 from inflight.serving.openai.serving_completion import OpenAIServingCompletion
 from inflight.serving.openai.serving_engine import error_response
 from inflight.serving.openai.serving_models import OpenAIServingModels
+from inflight.serving.openai.tool_parsers import get_tool_parser
 from inflight.serving.openai.triton_stream import TritonLLM
 
 _UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|list\[.*|dict\[.*|function-.*|[A-Z]\w*)$")
@@ -81,7 +82,8 @@ def create_app(
     """
     limits = limits or default_limits()
     llm = TritonLLM(triton_url, model, stream_timeout_s=limits.stream_timeout_s)
-    served = ServedModel(llm, served_model_name or model, model_dir)
+    parser = get_tool_parser(limits.tool_call_parser) if limits.tool_call_parser else None
+    served = ServedModel(llm, served_model_name or model, model_dir, parser)
     serving_chat = OpenAIServingChat(served)
     serving_completion = OpenAIServingCompletion(served)
     serving_models = OpenAIServingModels(served, resolve_lora_admin_key(lora_admin_key or limits.lora_admin_key))

@@ -42,8 +42,16 @@ class FrontLimits:
     # The Triton server's LoRA admin key, for /v1/load_lora_adapter and /v1/unload_lora_adapter (None:
     # $INFLIGHT_LORA_ADMIN_KEY, else those endpoints are off). `inflight serve` sets it per launch.
     lora_admin_key: str | None = field(default=None, repr=False)
+    # vLLM's --tool-call-parser (tool_parsers.TOOL_PARSERS): how the model writes tool calls; None: tool_choice
+    # "auto" is refused ("required" and a named function need no parser).
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        from inflight.serving.openai.tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            known = ", ".join(sorted(TOOL_PARSERS))
+            raise ValueError(f"tool_call_parser={self.tool_call_parser!r} is invalid: must be one of {known}")
         for name in ("max_body_bytes", "max_inflight"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: must be >= 1")

@@ -1,7 +1,7 @@
 """OpenAI request bodies (pydantic) and their translation into the model's `sampling_parameters`.
 
-Only what the engine can honour is accepted: `n` > 1, tools, `logit_bias` and token-id prompts get a
-400 naming the field rather than being silently ignored. Value ranges are checked by the model itself
+Only what the engine can honour is accepted: `n` > 1 and `best_of` > 1 get a 400 naming the field rather than
+being silently ignored. Value ranges are checked by the model itself
 (one set of limits), whose error names the request field at fault, mapped to the OpenAI one by `openai_param`.
 Lists are bounded here, before pydantic builds their items (a body of millions of token ids or messages
 would otherwise take seconds of the event loop to refuse).
@@ -73,6 +73,27 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchema | None = None
 
 
+class FunctionDefinition(BaseModel):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (an object); None: any object
+    strict: bool | None = None
+
+
+class ChatCompletionTool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class _Sampling(BaseModel):
     """Fields both endpoints share, vLLM's extras included."""
 
@@ -106,8 +127,6 @@ class _Sampling(BaseModel):
     def check_common(self) -> None:
         if self.n != 1:
             raise RequestError(f"n={self.n} is not supported: the server returns exactly 1 choice (n=1)", "n")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
         rf = self.response_format
@@ -126,6 +145,8 @@ class _Sampling(BaseModel):
             params["max_tokens"] = max_tokens
         if self.stop is not None:
             params["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        if self.logit_bias:
+            params["logit_bias"] = self.logit_bias  # keys: token ids as strings, which the model reads
         if logprobs is not None:
             params["logprobs"] = logprobs
         structured = structured_outputs(self.response_format)
@@ -203,8 +224,9 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     # vLLM's extras for the template
     add_generation_prompt: bool = True
@@ -227,9 +249,22 @@ class ChatCompletionRequest(_Sampling):
 
     def check(self) -> None:
         self.check_common()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise RequestError(f"{name} are not supported (no tool calling)", name)
+        if self.functions:
+            raise RequestError("functions (deprecated by OpenAI) are not supported: send tools", "functions")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise RequestError("tool_choice needs tools: the request names none", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            names = ", ".join(t.function.name for t in self.tools)
+            raise RequestError(
+                f"tool_choice names the function {choice.function.name!r}, which is not in tools ({names})",
+                "tool_choice",
+            )
+        if self.tools and len({t.function.name for t in self.tools}) < len(self.tools):
+            raise RequestError("tools name a function twice", "tools")
+        calls = self.tools and self.effective_tool_choice != "none"
+        if calls and self.response_format is not None and self.response_format.type != "text":
+            raise RequestError("response_format cannot be combined with tool calls (tool_choice)", "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
         reserved = sorted({"messages", "add_generation_prompt"} & set(self.chat_template_kwargs or {}))
@@ -238,6 +273,13 @@ class ChatCompletionRequest(_Sampling):
                 f"chat_template_kwargs may not set {', '.join(reserved)}: it is a field of the request itself",
                 "chat_template_kwargs",
             )
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """OpenAI's default: "auto" when there are tools, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -14,6 +14,7 @@ from typing import Any
 from inflight.limits import ModelLimits
 from inflight.serving.openai.protocol import RequestError
 from inflight.serving.openai.renderer import PromptRenderer
+from inflight.serving.openai.tool_parsers import ToolParser
 from inflight.serving.openai.triton_stream import ModelError, TritonLLM
 
 log = logging.getLogger(__name__)
@@ -26,8 +27,15 @@ class ServedModel:
     """Shared by the endpoints: the Triton client, the served name, and what the model's config and checkpoint
     say (read on first use)."""
 
-    def __init__(self, llm: TritonLLM, served_model_name: str, model_dir: str | Path | None) -> None:
+    def __init__(
+        self,
+        llm: TritonLLM,
+        served_model_name: str,
+        model_dir: str | Path | None,
+        tool_parser: ToolParser | None = None,
+    ) -> None:
         self.llm = llm
+        self.tool_parser = tool_parser  # how the model writes a tool call (`tool_choice: auto`); None: no auto
         self.served_model_name = served_model_name
         self.model_dir = Path(model_dir) if model_dir else None
         self.created = int(time.time())

@@ -10,6 +10,7 @@ from inflight.serving.openai.chat_template import ChatTemplateError
 from inflight.serving.openai.protocol import ChatCompletionRequest, RequestError
 from inflight.serving.openai.renderer import PromptRenderer
 from inflight.serving.openai.serving_engine import OpenAIServing, ServeContext
+from inflight.serving.openai.tools import ToolOutputStream, ToolUse, template_messages
 
 
 def _render(
@@ -32,8 +33,10 @@ class OpenAIServingChat(OpenAIServing):
         body: ChatCompletionRequest = ctx.body
         body.check()
         renderer = await self.model.renderer()
-        messages = [m.for_template() for m in body.messages]
-        extra = body.chat_template_kwargs or {}
+        ctx.tool_use = ToolUse.of(body, self.model.tool_parser)
+        reads_tools = renderer.template is not None and "tools" in renderer.template.source
+        messages, tool_vars = template_messages([m.for_template() for m in body.messages], body, reads_tools)
+        extra = (body.chat_template_kwargs or {}) | tool_vars
         self.model.check_chat_size(messages, extra)
         max_tokens = body.requested_max_tokens
         # Templating and tokenizing take time in the prompt's length: off the event loop, so that other
@@ -45,15 +48,40 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.model.default_max_tokens(num_tokens)
         ctx.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         ctx.sampling = body.sampling_parameters(max_tokens, ctx.top_logprobs)
+        constraint = ctx.tool_use.structured_outputs(body)
+        if constraint is not None:
+            ctx.sampling["structured_outputs"] = constraint
+        if body.stream and ctx.tool_use.calls_tools:
+            ctx.tool_stream = ToolOutputStream(ctx.tool_use)
 
     def logprobs(self, ctx: ServeContext, entries: list[dict], offset: int) -> dict:
         return lp.chat_logprobs(entries, ctx.top_logprobs)
 
     def choice(self, ctx: ServeContext, text: str) -> dict[str, Any]:
-        return {"message": {"role": "assistant", "content": text}}
+        content, calls = ctx.tool_use.read(text) if ctx.tool_use is not None else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+            ctx.tool_calls = calls
+        return {"message": message}
 
-    def delta(self, ctx: ServeContext, text: str) -> dict[str, Any]:
-        return {"delta": {"content": text} if text else {}}
+    def delta(self, ctx: ServeContext, text: str, final: bool) -> dict[str, Any] | None:
+        if ctx.tool_stream is None:
+            return {"delta": {"content": text} if text else {}}
+        content, calls = ctx.tool_stream.feed(text, final)
+        ctx.tool_calls = ctx.tool_stream.calls
+        delta: dict[str, Any] = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        return {"delta": delta} if delta or final else None
+
+    def finish_reason(self, ctx: ServeContext, reason: str | None) -> str | None:
+        """ "tool_calls" where the model stopped after calling tools (OpenAI's: not for a named function)."""
+        if ctx.tool_calls and reason == "stop" and ctx.tool_use.mode != "named":
+            return "tool_calls"
+        return reason
 
     def opening_choice(self, ctx: ServeContext) -> dict[str, Any]:
         return {"delta": {"role": "assistant", "content": ""}}  # the role first, as OpenAI does

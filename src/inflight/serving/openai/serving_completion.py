@@ -29,7 +29,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def choice(self, ctx: ServeContext, text: str) -> dict[str, Any]:
         return {"text": ctx.echo + text}
 
-    def delta(self, ctx: ServeContext, text: str) -> dict[str, Any]:
+    def delta(self, ctx: ServeContext, text: str, final: bool) -> dict[str, Any] | None:
         return {"text": text}
 
     def opening_choice(self, ctx: ServeContext) -> dict[str, Any] | None:

@@ -87,6 +87,9 @@ class ServeContext:
     top_logprobs: int | None = None  # None: no logprobs asked for
     sampling: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None  # the LoRA adapter `model` names (None: the base model)
+    tool_use: Any = None  # chat: how the output is read for tool calls (tools.ToolUse)
+    tool_stream: Any = None  # chat, streamed: the output's split into content and tool calls (tools.ToolOutputStream)
+    tool_calls: list = field(default_factory=list)  # chat: the calls the output made (once it is complete)
 
 
 class OpenAIServing:
@@ -112,9 +115,13 @@ class OpenAIServing:
         """The output of a non-streamed response (logprobs and finish_reason are added after it)."""
         raise NotImplementedError
 
-    def delta(self, ctx: ServeContext, text: str) -> dict[str, Any]:
-        """The new output of one streamed chunk."""
+    def delta(self, ctx: ServeContext, text: str, final: bool) -> dict[str, Any] | None:
+        """The new output of one streamed chunk (None: nothing to send yet; never None when `final`)."""
         raise NotImplementedError
+
+    def finish_reason(self, ctx: ServeContext, reason: str | None) -> str | None:
+        """The choice's finish_reason, from the model's."""
+        return reason
 
     def opening_choice(self, ctx: ServeContext) -> dict[str, Any] | None:
         """What a stream says before the model's first text, if anything."""
@@ -186,7 +193,7 @@ class OpenAIServing:
             finish_reason = out.finish_reason or finish_reason
         choice = {"index": 0, **self.choice(ctx, "".join(texts))}
         choice["logprobs"] = self._logprobs_of(ctx, entries, len(ctx.echo))
-        choice["finish_reason"] = finish_reason
+        choice["finish_reason"] = self.finish_reason(ctx, finish_reason)
         return {
             "id": ctx.request_id,
             "object": self.object_name,
@@ -226,12 +233,13 @@ class OpenAIServing:
             while out is not None:
                 prompt_tokens = out.num_input_tokens or prompt_tokens
                 completion_tokens += out.num_output_tokens
-                if out.text or out.final:
+                piece = self.delta(ctx, out.text, out.final) if out.text or out.final else None
+                if piece is not None:
                     choice = {
                         "index": 0,
-                        **self.delta(ctx, out.text),
+                        **piece,
                         "logprobs": self._logprobs_of(ctx, out.logprobs, offset),
-                        "finish_reason": out.finish_reason if out.final else None,
+                        "finish_reason": self.finish_reason(ctx, out.finish_reason) if out.final else None,
                     }
                     running = usage(prompt_tokens, completion_tokens) if every_chunk else None
                     yield self._chunk(ctx, [choice], running, include_usage)

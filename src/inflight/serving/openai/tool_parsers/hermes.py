@@ -1,0 +1,50 @@
+"""Hermes / Qwen 2.5 tool calls: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one per call."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from inflight.serving.openai.tool_parsers.base import ToolCall, ToolParser, arguments_schema, dumps, json_content
+
+_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    trigger = "<tool_call>"
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        start = text.find(self.trigger)
+        if start < 0:
+            return text, []
+        calls = []
+        for match in _CALL.finditer(text, start):
+            body = match.group(1) if match.group(1) is not None else match.group(2)
+            try:
+                call = json.loads(body)
+            except json.JSONDecodeError:
+                return text, []
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                return text, []
+            arguments = call.get("arguments", call.get("parameters", {}))
+            calls.append(ToolCall(call["name"], dumps(arguments)))
+        content = text[:start]
+        return (content if content.strip() else None), calls
+
+    def structural_tag(self, tools: list[Any], parallel: bool) -> dict[str, Any]:
+        tags = [
+            {
+                "type": "tag",
+                "begin": f'<tool_call>\n{{"name": {dumps(t.function.name)}, "arguments": ',
+                "content": json_content(arguments_schema(t.function.parameters)),
+                "end": "}\n</tool_call>",
+            }
+            for t in tools
+        ]
+        return {
+            "type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
+                       "stop_after_first": not parallel},
+        }  # fmt: skip
