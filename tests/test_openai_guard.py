@@ -182,14 +182,22 @@ def test_requests_over_the_in_flight_bound_get_429_with_retry_after():
 # ---- list bounds, checked before pydantic builds the items ----------------------------------------
 
 
-def test_prompt_token_ids_are_refused_without_validating_millions_of_items():
-    body = {"model": "llm", "prompt": list(range(10)) * 400_000}
+@pytest.mark.parametrize(
+    ("prompt", "match"),
+    [
+        (list(range(10)) * 400_000, "prompt has 4000000 token ids: the limit is 1048576"),
+        ([list(range(10)) * 1000] * 200, "prompt has 2000000 token ids: the limit is 1048576"),
+        (["a"] * 257, "prompt has 257 items: the limit is 256"),
+        ([], "prompt is an empty list"),
+    ],
+)
+def test_prompt_token_ids_and_batches_are_bounded_without_validating_millions_of_items(prompt, match):
     start = time.perf_counter()
     with pytest.raises(ValidationError) as info:
-        CompletionRequest.model_validate(body)
+        CompletionRequest.model_validate({"model": "llm", "prompt": prompt})
     assert time.perf_counter() - start < 0.5
     error = info.value.errors()[0]
-    assert error["loc"] == ("prompt",) and "no token ids" in error["msg"]
+    assert error["loc"] == ("prompt",) and match in error["msg"]
 
 
 @pytest.mark.parametrize(

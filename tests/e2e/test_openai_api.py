@@ -150,20 +150,30 @@ def test_disconnect_during_a_non_streamed_request_cancels_it(api, server):
 
 
 BAD = {
-    "n=3": ({"n": 3}, "n"),
+    "n=0": ({"n": 0}, "n"),
+    "n past the choices bound": ({"n": 257}, "n"),
     "negative max_tokens": ({"max_tokens": -5}, "max_tokens"),
     "negative max_completion_tokens": ({"max_completion_tokens": -5}, "max_completion_tokens"),
     "message without role": ({"messages": [{"content": "hi"}]}, "messages[0].role"),
     "message content not text": ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     "no messages": ({"messages": []}, "messages"),
-    "role the template rejects": ({"messages": [{"role": "tool", "content": "hi"}]}, "messages"),
+    "role the template rejects": ({"messages": [{"role": "critic", "content": "hi"}]}, "messages"),
     "response_format of unknown type": ({"response_format": {"type": "xml"}}, "response_format.type"),
     "json_schema without a schema": ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     "top_p out of range": ({"top_p": 1.5}, "top_p"),
     "top_logprobs without logprobs": ({"top_logprobs": 2}, "top_logprobs"),
     "top_logprobs too many": ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     "prompt longer than the context": ({"messages": [{"role": "user", "content": "river " * 600}]}, "messages"),
-    "tools": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    "tool_choice auto without a parser": ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    "tool_choice naming no tool": (
+        {
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}},
+        },
+        "tool_choice",
+    ),  # fmt: skip
+    "tool without a name": ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
+    "logit_bias out of range": ({"logit_bias": {"5": 101}}, "logit_bias"),
     "template kwargs naming messages": ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
     "template kwargs naming add_generation_prompt": (
         {"chat_template_kwargs": {"add_generation_prompt": False}},
@@ -178,7 +188,7 @@ def test_bad_request_gets_400_naming_the_field(oai, case, stream):
     change, param = BAD[case]
     kwargs = {"model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4} | change
     known = {"model", "messages", "max_tokens", "max_completion_tokens", "n", "response_format", "top_p", "logprobs",
-             "top_logprobs", "tools"}  # fmt: skip
+             "top_logprobs", "tools", "tool_choice", "logit_bias"}  # fmt: skip
     extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in known}
     with pytest.raises(openai.BadRequestError) as info:
         oai.chat.completions.create(**kwargs, stream=stream, extra_body=extra or None)
@@ -211,11 +221,77 @@ def test_oversized_chat_is_refused_before_templating_naming_the_limit(oai):
     assert error["message"].startswith("messages are ") and f"max_prompt_bytes={limit}" in error["message"]
 
 
-def test_completion_rejects_prompt_batches_and_token_ids(oai):
-    for prompt in (["a", "b"], [1, 2, 3]):
-        with pytest.raises(openai.BadRequestError) as info:
-            oai.completions.create(model="llm", prompt=prompt, max_tokens=2)
-        assert info.value.body["param"] == "prompt"
+def test_n_prefills_the_prompt_once_and_equals_single_requests_with_derived_seeds(oai, server):
+    prompt = PROMPTS[1] + " and a prompt long enough to fill blocks " * 3
+    kwargs = dict(model="llm", prompt=prompt, max_tokens=8, temperature=1.0, extra_body={"ignore_eos": True})
+    before = settled(server)
+    four = oai.completions.create(**kwargs, n=4, seed=7)
+    after = settled(server)
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    texts = [c.text for c in four.choices]
+    assert len(set(texts)) == 4  # distinct samples
+    prompt_tokens = four.usage.prompt_tokens
+    assert four.usage.completion_tokens == 32
+    cached = metric(after, "vllm:prefix_cache_hits_total") - metric(before, "vllm:prefix_cache_hits_total")
+    full_blocks = prompt_tokens // ENGINE_ARGS["block_size"] * ENGINE_ARGS["block_size"]
+    assert cached == 3 * full_blocks  # the three later samples found the first one's prompt blocks
+    singles = [oai.completions.create(**kwargs, seed=7 + j).choices[0].text for j in range(4)]
+    assert singles == texts  # sample j is the single request with seed + j
+    streamed = {}
+    for chunk in oai.completions.create(**kwargs, n=4, seed=7, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert [streamed[i] for i in range(4)] == texts
+
+
+def test_prompt_batches_and_token_ids_equal_their_text(oai, offline_llm):
+    params = dict(max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    texts = [oai.completions.create(model="llm", prompt=p, **params).choices[0].text for p in PROMPTS[:3]]
+    batch = oai.completions.create(model="llm", prompt=PROMPTS[:3], **params)
+    assert [c.index for c in batch.choices] == [0, 1, 2] and [c.text for c in batch.choices] == texts
+    one = oai.completions.create(model="llm", prompt=PROMPTS[0], **params)
+    ids = offline_llm.engine.tokenize(PROMPTS[0])
+    by_ids = oai.completions.create(model="llm", prompt=ids, **params)
+    assert by_ids.choices[0].text == texts[0] and by_ids.usage.prompt_tokens == one.usage.prompt_tokens
+    id_batch = oai.completions.create(model="llm", prompt=[ids, offline_llm.engine.tokenize(PROMPTS[1])], **params)
+    assert [c.text for c in id_batch.choices] == texts[:2]
+    echoed = oai.completions.create(model="llm", prompt=ids, echo=True, **params).choices[0].text
+    assert echoed.endswith(texts[0]) and PROMPTS[0] in echoed
+    with pytest.raises(openai.BadRequestError) as info:
+        oai.completions.create(model="llm", prompt=[1, 10**9], max_tokens=2)
+    assert info.value.body["param"] == "prompt" and "outside the vocabulary" in info.value.body["message"]
+
+
+def test_logit_bias_forces_and_forbids_tokens(oai, offline_llm):
+    ids = offline_llm.engine.tokenize(PROMPTS[0])
+    tokenizer = offline_llm.engine.tokenizer
+    greedy_first = offline_llm.generate([ids], SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    forced = oai.completions.create(model="llm", prompt=ids, max_tokens=4, temperature=1.0, logit_bias={"77": 100},
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert forced.choices[0].text == tokenizer.decode([77] * 4)
+    banned = oai.completions.create(model="llm", prompt=ids, max_tokens=1, temperature=0,
+                                    logit_bias={str(greedy_first): -100})  # fmt: skip
+    plain = oai.completions.create(model="llm", prompt=ids, max_tokens=1, temperature=0)
+    assert plain.choices[0].text == tokenizer.decode([greedy_first]) != banned.choices[0].text
+
+
+def test_tokenize_and_detokenize_as_the_model_counts(oai, api, hf_tokenizer):
+    import httpx
+
+    prompt = PROMPTS[3]
+    answer = httpx.post(f"{api.url}/tokenize", json={"model": "llm", "prompt": prompt}, timeout=30).json()
+    assert answer["tokens"] == hf_tokenizer(prompt).input_ids and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == ENGINE_ARGS["max_model_len"]
+    usage = oai.completions.create(model="llm", prompt=prompt, max_tokens=1).usage
+    assert usage.prompt_tokens == answer["count"]
+    chat = httpx.post(f"{api.url}/tokenize", json={"model": "llm", "messages": MESSAGES}, timeout=30).json()
+    assert (
+        chat["count"] == oai.chat.completions.create(model="llm", messages=MESSAGES, max_tokens=1).usage.prompt_tokens
+    )
+    back = httpx.post(f"{api.url}/detokenize", json={"model": "llm", "tokens": answer["tokens"]}, timeout=30).json()
+    assert back["prompt"] == hf_tokenizer.decode(answer["tokens"])
+    bad = httpx.post(f"{api.url}/detokenize", json={"model": "llm", "tokens": [10**9]}, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
 def test_malformed_json_body_is_a_400(api):

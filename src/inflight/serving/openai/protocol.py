@@ -18,6 +18,8 @@ from pydantic_core import PydanticCustomError
 MAX_MESSAGES = 8192  # chat messages
 MAX_CONTENT_PARTS = 8192  # text parts, all messages together
 MAX_LIST_ITEMS = 1024  # stop, stop_token_ids, logit_bias, tools, functions (the model bounds stop at 64)
+MAX_CHOICES = 256  # choices of one request: prompts (a completions batch) times n
+MAX_PROMPT_TOKEN_IDS = 1 << 20  # token ids of a request's prompts, all together (the model bounds each prompt)
 
 
 def _too_long(field: str, n: int, limit: int, what: str = "items") -> PydanticCustomError:
@@ -124,9 +126,15 @@ class _Sampling(BaseModel):
     def _bound_lists(cls, value: Any, info) -> Any:
         return _bounded(info.field_name, value)
 
-    def check_common(self) -> None:
-        if self.n != 1:
-            raise RequestError(f"n={self.n} is not supported: the server returns exactly 1 choice (n=1)", "n")
+    def check_common(self, num_prompts: int = 1) -> None:
+        if self.n < 1:
+            raise RequestError(f"n={self.n} is invalid: must be >= 1", "n")
+        if self.n * num_prompts > MAX_CHOICES:
+            raise RequestError(
+                f"n={self.n} for {num_prompts} prompt(s) asks for {self.n * num_prompts} choices: the limit is "
+                f"{MAX_CHOICES}",
+                "n",
+            )
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream=true", "stream_options")
         rf = self.response_format
@@ -174,30 +182,42 @@ class CompletionRequest(_Sampling):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_string(cls, value: Any) -> Any:
-        # Refused before pydantic validates (millions of) token ids.
-        if isinstance(value, list) and (len(value) != 1 or not isinstance(value[0], str)):
-            raise PydanticCustomError("prompt_list", _PROMPT_LIST)
+    def _bound_prompts(cls, value: Any) -> Any:
+        # Bounded before pydantic validates (millions of) token ids.
+        if isinstance(value, list):
+            if not value:
+                raise PydanticCustomError("prompt_list", "prompt is an empty list")
+            flat = not isinstance(value[0], (list, str))  # one prompt of token ids
+            if not flat:
+                _bounded("prompt", value, MAX_CHOICES)
+            ids = len(value) if flat else sum(len(p) for p in value if isinstance(p, list))
+            if ids > MAX_PROMPT_TOKEN_IDS:
+                raise _too_long("prompt", ids, MAX_PROMPT_TOKEN_IDS, "token ids")
         return value
 
-    def check(self) -> str:
-        """The prompt text, after the checks only the front can make."""
-        self.check_common()
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice group: a string, a list of strings, token ids, or lists of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if prompt and isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def check(self) -> list[str | list[int]]:
+        """The prompts, after the checks only the front can make."""
+        prompts = self.prompts
+        self.check_common(len(prompts))
         if self.best_of not in (None, 1):
-            raise RequestError(f"best_of={self.best_of} is not supported: only 1", "best_of")
+            raise RequestError(f"best_of={self.best_of} is not supported: only 1 (send n for more samples)", "best_of")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.echo and self.logprobs is not None:
             raise RequestError("echo with logprobs is not supported (prompt logprobs are not computed)", "echo")
-        prompt = self.prompt
-        if isinstance(prompt, list):
-            if len(prompt) != 1 or not isinstance(prompt[0], str):
-                raise RequestError(_PROMPT_LIST, "prompt")
-            prompt = prompt[0]
-        return prompt
-
-
-_PROMPT_LIST = "prompt must be a string or a list of exactly 1 string (no batches, no token ids)"
+        if any(isinstance(p, list) and not p for p in prompts):
+            raise RequestError("prompt has an empty list of token ids", "prompt")
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -284,6 +304,35 @@ class ChatCompletionRequest(_Sampling):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `POST /tokenize`: a text prompt, or chat messages rendered by the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _bound_messages(cls, value: Any) -> Any:
+        return _bounded("messages", value, MAX_MESSAGES)
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's `POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _bound_tokens(cls, value: Any) -> Any:
+        return _bounded("tokens", value, MAX_PROMPT_TOKEN_IDS)
 
 
 def openai_param(field: str | None, request: CompletionRequest | ChatCompletionRequest) -> str | None:

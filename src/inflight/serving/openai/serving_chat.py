@@ -9,7 +9,7 @@ from inflight.serving.openai import logprobs as lp
 from inflight.serving.openai.chat_template import ChatTemplateError
 from inflight.serving.openai.protocol import ChatCompletionRequest, RequestError
 from inflight.serving.openai.renderer import PromptRenderer
-from inflight.serving.openai.serving_engine import OpenAIServing, ServeContext
+from inflight.serving.openai.serving_engine import Choice, OpenAIServing, ServeContext
 from inflight.serving.openai.tools import ToolOutputStream, ToolUse, template_messages
 
 
@@ -41,9 +41,10 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = body.requested_max_tokens
         # Templating and tokenizing take time in the prompt's length: off the event loop, so that other
         # clients' streams go on meanwhile.
-        ctx.prompt, num_tokens = await asyncio.to_thread(
+        prompt, num_tokens = await asyncio.to_thread(
             _render, renderer, messages, body.add_generation_prompt, extra, max_tokens is None
         )
+        ctx.prompts = [prompt]
         if max_tokens is None:
             max_tokens = self.model.default_max_tokens(num_tokens)
         ctx.top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -51,25 +52,27 @@ class OpenAIServingChat(OpenAIServing):
         constraint = ctx.tool_use.structured_outputs(body)
         if constraint is not None:
             ctx.sampling["structured_outputs"] = constraint
-        if body.stream and ctx.tool_use.calls_tools:
-            ctx.tool_stream = ToolOutputStream(ctx.tool_use)
+
+    def new_choice(self, ctx: ServeContext, ch: Choice, stream: bool) -> None:
+        if stream and ctx.tool_use.calls_tools:
+            ch.tool_stream = ToolOutputStream(ctx.tool_use)
 
     def logprobs(self, ctx: ServeContext, entries: list[dict], offset: int) -> dict:
         return lp.chat_logprobs(entries, ctx.top_logprobs)
 
-    def choice(self, ctx: ServeContext, text: str) -> dict[str, Any]:
+    def choice(self, ctx: ServeContext, ch: Choice, text: str) -> dict[str, Any]:
         content, calls = ctx.tool_use.read(text) if ctx.tool_use is not None else (text, [])
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
-            ctx.tool_calls = calls
+            ch.tool_calls = calls
         return {"message": message}
 
-    def delta(self, ctx: ServeContext, text: str, final: bool) -> dict[str, Any] | None:
-        if ctx.tool_stream is None:
+    def delta(self, ctx: ServeContext, ch: Choice, text: str, final: bool) -> dict[str, Any] | None:
+        if ch.tool_stream is None:
             return {"delta": {"content": text} if text else {}}
-        content, calls = ctx.tool_stream.feed(text, final)
-        ctx.tool_calls = ctx.tool_stream.calls
+        content, calls = ch.tool_stream.feed(text, final)
+        ch.tool_calls = ch.tool_stream.calls
         delta: dict[str, Any] = {}
         if content:
             delta["content"] = content
@@ -77,11 +80,11 @@ class OpenAIServingChat(OpenAIServing):
             delta["tool_calls"] = calls
         return {"delta": delta} if delta or final else None
 
-    def finish_reason(self, ctx: ServeContext, reason: str | None) -> str | None:
+    def finish_reason(self, ctx: ServeContext, ch: Choice, reason: str | None) -> str | None:
         """ "tool_calls" where the model stopped after calling tools (OpenAI's: not for a named function)."""
-        if ctx.tool_calls and reason == "stop" and ctx.tool_use.mode != "named":
+        if ch.tool_calls and reason == "stop" and ctx.tool_use.mode != "named":
             return "tool_calls"
         return reason
 
-    def opening_choice(self, ctx: ServeContext) -> dict[str, Any]:
+    def opening_choice(self, ctx: ServeContext, ch: Choice) -> dict[str, Any]:
         return {"delta": {"role": "assistant", "content": ""}}  # the role first, as OpenAI does
