@@ -106,6 +106,18 @@ def test_required_and_named_constrain_the_output_to_the_schemas(tool_choice, goo
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3})]
 
 
+def test_hermes_keeps_the_whole_calls_before_one_cut_short():
+    content, calls = get_tool_parser("hermes").extract(HERMES[: HERMES.rindex("{")] + '{"name": "no')
+    assert content == "Let me check.\n" and [c.name for c in calls] == ["get_weather"]
+
+
+def test_required_cut_short_returns_the_calls_made_whole():
+    use = ToolUse.of(request(tool_choice="required"), None)
+    text = '[{"name": "note", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Par'
+    assert [(c.name, c.arguments) for c in use.read(text)[1]] == [("note", "{}")]
+    assert use.read('[{"name": "no') == ('[{"name": "no', [])
+
+
 def test_auto_is_free_text_until_a_call_opens_then_the_schema_holds():
     parser = get_tool_parser("hermes")
     body = request()

@@ -19,7 +19,7 @@ import random
 import time
 from pathlib import Path
 
-import httpx
+import httpx2 as httpx
 
 from benchmarks.common.host import describe_host
 from benchmarks.common.plots import throughput_bars

@@ -276,7 +276,7 @@ def test_logit_bias_forces_and_forbids_tokens(oai, offline_llm):
 
 
 def test_tokenize_and_detokenize_as_the_model_counts(oai, api, hf_tokenizer):
-    import httpx
+    import httpx2 as httpx
 
     prompt = PROMPTS[3]
     answer = httpx.post(f"{api.url}/tokenize", json={"model": "llm", "prompt": prompt}, timeout=30).json()

@@ -122,10 +122,11 @@ def test_required_and_named_tool_calls_always_parse_and_validate(tools_api):
         return tools_api.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice=choice,
                                                  temperature=1.0, seed=i, max_completion_tokens=80)  # fmt: skip
 
-    for answers, reason in ((_many(required, 50), "tool_calls"), (_many(named, 50), "stop")):
+    for answers, reasons in ((_many(required, 50), {"tool_calls", "length"}), (_many(named, 50), {"stop"})):
         for a in answers:
             message = a.choices[0].message
-            assert a.choices[0].finish_reason == reason, message
+            # parallel calls may run into max_tokens: the calls made whole are returned, finish_reason "length"
+            assert a.choices[0].finish_reason in reasons, message
             assert message.tool_calls and all(_valid_call(c) for c in message.tool_calls), message
         names = {c.function.name for a in answers for c in a.choices[0].message.tool_calls}
         assert names <= {"get_weather", "get_time"}
@@ -140,10 +141,12 @@ def test_auto_tool_calls_parse_whenever_the_model_opens_one(tools_api):
     opened = 0
     for a in answers:
         message = a.choices[0].message
-        assert "<tool_call>" not in (message.content or ""), message  # an opened call always parses
+        reason = a.choices[0].finish_reason
+        if "<tool_call>" in (message.content or ""):  # only a call that max_tokens cut short stays text
+            assert reason == "length" and not message.tool_calls, message
         if message.tool_calls:
             opened += 1
-            assert a.choices[0].finish_reason == "tool_calls"
+            assert reason in ("tool_calls", "length"), message  # parallel calls may run into max_tokens
             assert all(_valid_call(c) for c in message.tool_calls), message
     assert opened > 0  # the prompt invites a call; the model takes it at least sometimes
 

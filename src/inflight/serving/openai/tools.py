@@ -90,15 +90,31 @@ class ToolUse:
         if self.mode == "named":
             return None, [ToolCall(self.name or "", text)]
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except json.JSONDecodeError:
-                return text, []  # cut short by max_tokens
+            items = _complete_items(text)
+            if not items:
+                return text, []  # cut short by max_tokens before a call was whole
             return None, [ToolCall(i["name"], json.dumps(i["arguments"], ensure_ascii=False)) for i in items]
         if self.mode == "auto":
             assert self.parser is not None
             return self.parser.extract(text)
         return text, []
+
+
+def _complete_items(text: str) -> list[dict[str, Any]]:
+    """The whole items of a JSON list of calls, the list itself possibly cut short (max_tokens): the constraint
+    made every item it finished valid."""
+    decoder = json.JSONDecoder()
+    pos = text.find("[") + 1
+    items = []
+    while 0 < pos < len(text):
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+        while pos < len(text) and text[pos] in ", \n":
+            pos += 1
+    return [i for i in items if isinstance(i, dict) and "name" in i and "arguments" in i]
 
 
 def _arguments_object(arguments: Any) -> Any:

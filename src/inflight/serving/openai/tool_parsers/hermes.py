@@ -25,8 +25,10 @@ class HermesToolParser(ToolParser):
             try:
                 call = json.loads(body)
             except json.JSONDecodeError:
-                return text, []
+                call = None
             if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                if match.group(2) is not None and calls:
+                    break  # a last call cut short (max_tokens) after whole ones: the whole ones stand
                 return text, []
             arguments = call.get("arguments", call.get("parameters", {}))
             calls.append(ToolCall(call["name"], dumps(arguments)))
