@@ -41,7 +41,7 @@ from inflight.executor.sampler import Sampler
 from inflight.limits import default_max_prompt_bytes, resolve_max_model_len
 from inflight.lora_request import LoRARequest
 from inflight.model_source import resolve_model
-from inflight.models.config import ModelConfig, config_errors
+from inflight.models.config import ModelConfig, check_window, config_errors
 from inflight.models.loader import load_model, load_tokenizer, weight_bytes
 from inflight.models.lora import AdapterError
 from inflight.ops import dtype_probe
@@ -82,6 +82,7 @@ class LLMEngine:
         mc = self.model_config
         # The rules a client of the served model applies to the same config (inflight.limits).
         self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
+        check_window(mc, self.max_model_len, str(model_dir))
         self.max_prompt_bytes = config.max_prompt_bytes or default_max_prompt_bytes(self.max_model_len)
         self.eos_token_ids = set(mc.eos_token_ids)
         # Before the runner: CPU layer stacks and CUDA graphs take the adapter slots as they find them.

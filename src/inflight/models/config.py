@@ -33,6 +33,10 @@ class ModelConfig:
     attention_bias: bool  # Qwen2: bias on q/k/v projections
     qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
     rope_scaling: dict[str, Any] | None = None
+    # Tokens each position attends back to, where the checkpoint limits it (Mistral's `sliding_window`; Qwen's
+    # only with `use_sliding_window`); None: the whole context. Attention here is full: the engine refuses a
+    # max_model_len past the window (see `check_window`).
+    sliding_window: int | None = None
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -78,6 +82,9 @@ class ModelConfig:
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "llama3":
             raise ConfigError(f"{source}: rope_scaling={rope_scaling} is not supported; supported: llama3")
         eos = cfg.get("eos_token_id")
+        window = cfg.get("sliding_window")
+        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+            window = None  # Qwen2/3 configs carry a window they do not use unless use_sliding_window says so
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             architecture=arch,
@@ -95,9 +102,21 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             rope_scaling=rope_scaling,
+            sliding_window=int(window) if window else None,
             torch_dtype=DTYPES.get(str(dtype_name), torch.float32),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+        )
+
+
+def check_window(cfg: ModelConfig, max_model_len: int, source: str = "") -> None:
+    """Sliding-window attention is not computed here: a context past the window would attend to tokens the
+    model never saw together, so such a max_model_len is refused (within the window, full attention is exact)."""
+    if cfg.sliding_window is not None and max_model_len > cfg.sliding_window:
+        raise ConfigError(
+            f"{source or cfg.architecture}: sliding_window={cfg.sliding_window} is shorter than max_model_len="
+            f"{max_model_len}, and sliding-window attention is not implemented (positions past the window would "
+            f"answer wrong): set max_model_len <= {cfg.sliding_window} to serve this checkpoint"
         )
 
 
