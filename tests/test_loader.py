@@ -111,11 +111,12 @@ def test_rope_theta_from_rope_parameters(tmp_path):
     assert ModelConfig.from_hf_dict(cfg).rope_theta == 5e5
 
 
-def test_a_sliding_window_shorter_than_the_context_is_refused_until_max_model_len_fits(tmp_path):
+def test_a_sliding_window_shorter_than_the_context_is_refused_until_max_model_len_fits(tmp_path, demo_model_dir):
     """Full attention past the window answers wrong, so the engine refuses it; within the window it is exact."""
     from inflight import LLM
 
     path = make_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=32)
+    shutil.copy(Path(demo_model_dir) / "tokenizer.json", path / "tokenizer.json")  # ids < 300 decode there too
     assert ModelConfig.from_dir(path).sliding_window == 32
     with pytest.raises(ConfigError, match=r"sliding_window=32 is shorter than max_model_len=128.*max_model_len <= 32"):
         LLM(str(path), num_kv_blocks=16)
