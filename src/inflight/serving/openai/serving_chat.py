@@ -81,7 +81,7 @@ class OpenAIServingChat(OpenAIServing):
         return {"delta": delta} if delta or final else None
 
     def finish_reason(self, ctx: ServeContext, ch: Choice, reason: str | None) -> str | None:
-        """ "tool_calls" where the model stopped after calling tools (OpenAI's: not for a named function)."""
+        """The model's "stop" is "tool_calls" where it called tools (OpenAI's rule: not for a named function)."""
         if ch.tool_calls and reason == "stop" and ctx.tool_use.mode != "named":
             return "tool_calls"
         return reason

@@ -1,6 +1,8 @@
 """What both endpoints share: a request's path from body to response (one JSON answer or Server-Sent Events),
 error mapping, and cancellation when the client goes away. serving_chat.py and serving_completion.py fill
-in the prompt and the shapes of their responses.
+in the prompt and the shapes of their responses. A request is one Triton request per choice (a prompt of a
+completions batch times `n`); a prompt's later samples start once its first has a token, so that they find its
+KV blocks in the prefix cache.
 
 A streamed request waits for the model's first response before answering, so a request the model rejects
 still gets a proper 400 rather than an event. When the client goes away (during the stream or while a
@@ -23,6 +25,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inflight.serving.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestError, openai_param
 from inflight.serving.openai.served_model import ServedModel
+from inflight.serving.openai.tool_parsers import ToolCall
+from inflight.serving.openai.tools import ToolOutputStream, ToolUse
 from inflight.serving.openai.triton_stream import ModelError, ModelOutput, TritonTimeout, TritonUnavailable
 
 T = TypeVar("T")
@@ -86,8 +90,8 @@ class Choice:
     sampling: dict[str, Any]
     echo: str = ""  # prompt text the choice repeats before its output (completions' `echo`)
     counts_prompt: bool = True  # its prompt's tokens count in `usage` (once per prompt, not per sample)
-    tool_stream: Any = None  # chat, streamed: the output's split into content and tool calls (tools.ToolOutputStream)
-    tool_calls: list = field(default_factory=list)  # chat: the calls the output made (once it is complete)
+    tool_stream: ToolOutputStream | None = None  # chat, streamed: the output's split into content and tool calls
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat: the calls the output made (once complete)
 
 
 @dataclass
@@ -102,7 +106,7 @@ class ServeContext:
     top_logprobs: int | None = None  # None: no logprobs asked for
     sampling: dict[str, Any] = field(default_factory=dict)
     lora_name: str | None = None  # the LoRA adapter `model` names (None: the base model)
-    tool_use: Any = None  # chat: how the output is read for tool calls (tools.ToolUse)
+    tool_use: ToolUse | None = None  # chat: how the output is read for tool calls
     choices: list[Choice] = field(default_factory=list)
 
     def fan_out(self) -> None:
