@@ -115,7 +115,7 @@ def test_required_and_named_tool_calls_always_parse_and_validate(tools_api):
 
     def required(i):
         return tools_api.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, tool_choice="required",
-                                                 temperature=1.0, seed=i, max_completion_tokens=160)  # fmt: skip
+                                                 temperature=1.0, seed=i, max_completion_tokens=96)  # fmt: skip
 
     def named(i):
         choice = {"type": "function", "function": {"name": "get_weather"}}
@@ -135,9 +135,9 @@ def test_required_and_named_tool_calls_always_parse_and_validate(tools_api):
 def test_auto_tool_calls_parse_whenever_the_model_opens_one(tools_api):
     def auto(i):
         return tools_api.chat.completions.create(model="llm", messages=ASK, tools=TOOLS, temperature=1.0, seed=i,
-                                                 max_completion_tokens=160)  # fmt: skip
+                                                 max_completion_tokens=128)  # fmt: skip
 
-    answers = _many(auto, 24)
+    answers = _many(auto, 16)
     opened = 0
     for a in answers:
         message = a.choices[0].message
