@@ -49,10 +49,29 @@ class ToolParser:
         Text whose calls do not parse is all content, with no calls (as vLLM's parsers answer it)."""
         raise NotImplementedError
 
+    # A call as text: call_begin(name), the arguments (JSON), call_end.
+    call_end: ClassVar[str]
+
+    def call_begin(self, name: str) -> str:
+        raise NotImplementedError
+
     def structural_tag(self, tools: list[Any], parallel: bool) -> dict[str, Any]:
         """xgrammar's structural tag: free text until `trigger`, then one of `tools`' calls, its arguments
         constrained by the function's schema (`parallel`: more calls may follow)."""
-        raise NotImplementedError
+        tags = [
+            {
+                "type": "tag",
+                "begin": self.call_begin(t.function.name),
+                "content": json_content(arguments_schema(t.function.parameters)),
+                "end": self.call_end,
+            }
+            for t in tools
+        ]
+        return {
+            "type": "structural_tag",
+            "format": {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
+                       "stop_after_first": not parallel},
+        }  # fmt: skip
 
 
 class ToolCallStream:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
 
-from inflight.serving.openai.tool_parsers.base import ToolCall, ToolParser, arguments_schema, dumps, json_content
+from inflight.serving.openai.tool_parsers.base import ToolCall, ToolParser, dumps
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)\Z", re.DOTALL)
 
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    call_end = "}\n</tool_call>"
     trigger = "<tool_call>"
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -35,18 +35,5 @@ class HermesToolParser(ToolParser):
         content = text[:start]
         return (content if content.strip() else None), calls
 
-    def structural_tag(self, tools: list[Any], parallel: bool) -> dict[str, Any]:
-        tags = [
-            {
-                "type": "tag",
-                "begin": f'<tool_call>\n{{"name": {dumps(t.function.name)}, "arguments": ',
-                "content": json_content(arguments_schema(t.function.parameters)),
-                "end": "}\n</tool_call>",
-            }
-            for t in tools
-        ]
-        return {
-            "type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
-                       "stop_after_first": not parallel},
-        }  # fmt: skip
+    def call_begin(self, name: str) -> str:
+        return f'<tool_call>\n{{"name": {dumps(name)}, "arguments": '

@@ -4,15 +4,15 @@ several separated by `; `."""
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from inflight.serving.openai.tool_parsers.base import ToolCall, ToolParser, arguments_schema, dumps, json_content
+from inflight.serving.openai.tool_parsers.base import ToolCall, ToolParser, dumps
 
 _PYTHON_TAG = "<|python_tag|>"
 
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    call_end = "}"
     trigger = '{"name": '
 
     def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -39,18 +39,5 @@ class Llama3JsonToolParser(ToolParser):
             pos = len(text) - len(rest[1:].lstrip())
         return (content if content.strip() else None), calls
 
-    def structural_tag(self, tools: list[Any], parallel: bool) -> dict[str, Any]:
-        tags = [
-            {
-                "type": "tag",
-                "begin": f'{{"name": {dumps(t.function.name)}, "parameters": ',
-                "content": json_content(arguments_schema(t.function.parameters)),
-                "end": "}",
-            }
-            for t in tools
-        ]
-        return {
-            "type": "structural_tag",
-            "format": {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
-                       "stop_after_first": not parallel},
-        }  # fmt: skip
+    def call_begin(self, name: str) -> str:
+        return f'{{"name": {dumps(name)}, "parameters": '
