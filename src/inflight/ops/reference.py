@@ -157,3 +157,38 @@ def lora_apply(
         shrunk = torch.einsum("tk,trk->tr", xf, lora_a[s, slots])  # [n, R]
         acc[:, lo:hi] += torch.einsum("tr,tnr->tn", shrunk, lora_b[slots, lo:hi])
     out[rows] = acc.to(out.dtype)
+
+
+def select_experts(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF's router: softmax in fp32 over all experts, the top-k, renormalised to sum 1 where the config says.
+    Returns (topk_weights fp32 [T, k], topk_ids int32 [T, k]); ties go to the lower expert id (torch.topk)."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids.to(torch.int32)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H]
+    w13: torch.Tensor,  # [E, 2I, H]: each expert's gate rows, then its up rows
+    w2: torch.Tensor,  # [E, H, I]: each expert's down projection
+    topk_weights: torch.Tensor,  # fp32 [T, k]
+    topk_ids: torch.Tensor,  # int32 [T, k]
+) -> torch.Tensor:  # [T, H], x's dtype
+    """Each token through its k experts' SwiGLU MLPs, weighted by the router. Every expert's MLP rounds as HF's
+    does (gate/up, the activation, down, each in x's dtype); the k weighted outputs are summed in fp32 in top-k
+    order and rounded once, so a token's result depends on nothing but its own row."""
+    inter = w13.shape[1] // 2
+    weighted = torch.zeros((*topk_ids.shape, x.shape[1]), dtype=torch.float32, device=x.device)  # [T, k, H]
+    for e in topk_ids.unique().tolist():
+        rows, slot = (topk_ids == e).nonzero(as_tuple=True)
+        gate_up = x[rows] @ w13[e].t()
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        weighted[rows, slot] = (act @ w2[e].t()).float() * topk_weights[rows, slot][:, None]
+    out = weighted[:, 0].clone()
+    for j in range(1, weighted.shape[1]):
+        out += weighted[:, j]
+    return out.to(x.dtype)
