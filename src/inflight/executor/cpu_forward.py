@@ -73,6 +73,8 @@ class CpuForward:
         ops are in use."""
         if not getattr(ops, "native", False) or model.model.norm.weight.device.type != "cpu":
             return False
+        if type(model) is not LlamaForCausalLM or model.cfg.qk_norm == "projection":  # dense, per-head norms only
+            return False
         dtype = model.model.norm.weight.dtype
         for layer in model.model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

@@ -12,8 +12,11 @@ from typing import Any
 import torch
 
 from inflight.config import DTYPES, ConfigError
+from inflight.models.registry import supported_architectures
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = supported_architectures()
+# RMSNorm of q and k: over each head (Qwen3, Qwen3-MoE) or over the whole projection (OLMoE)
+QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "projection"}
 
 
 @dataclass
@@ -31,12 +34,14 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: bias on q/k/v projections
-    qk_norm: bool  # Qwen3: RMSNorm over each head of q and k
+    qk_norm: str | None  # QK_NORM's kinds; None: no norm
     rope_scaling: dict[str, Any] | None = None
     # Tokens each position attends back to, where the checkpoint limits it (Mistral's `sliding_window`; Qwen's
-    # only with `use_sliding_window`); None: the whole context. Attention here is full: the engine refuses a
-    # max_model_len past the window (see `check_window`).
+    # only with `use_sliding_window`); None: the whole context. `layer_sliding_windows`: each layer's (None for
+    # a layer with full attention).
     sliding_window: int | None = None
+    layer_sliding_windows: tuple[int | None, ...] = ()
+    hf_config: dict[str, Any] = field(default_factory=dict)  # the whole config: a family reads its own fields
     torch_dtype: torch.dtype = torch.float32
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -82,16 +87,16 @@ class ModelConfig:
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "llama3":
             raise ConfigError(f"{source}: rope_scaling={rope_scaling} is not supported; supported: llama3")
         eos = cfg.get("eos_token_id")
-        window = cfg.get("sliding_window")
-        if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-            window = None  # Qwen2/3 configs carry a window they do not use unless use_sliding_window says so
+        layers = need("num_hidden_layers")
+        windows = _layer_windows(cfg, arch, layers)
+        window = next((w for w in windows if w is not None), None)
         dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
         return cls(
             architecture=arch,
             vocab_size=need("vocab_size"),
             hidden_size=hidden,
             intermediate_size=need("intermediate_size"),
-            num_hidden_layers=need("num_hidden_layers"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or hidden // heads,
@@ -99,14 +104,33 @@ class ModelConfig:
             rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            attention_bias=bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch.startswith("Qwen2")))),
+            qk_norm=QK_NORM.get(arch),
             rope_scaling=rope_scaling,
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
+            layer_sliding_windows=windows,
+            hf_config=cfg,
             torch_dtype=DTYPES.get(str(dtype_name), torch.float32),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
         )
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
+    """Each layer's window as HF builds its masks: `layer_types` where the config lists them; else Mistral and
+    Mixtral window every layer, and Qwen's only with `use_sliding_window`, from layer `max_window_layers` on."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return (None,) * layers
+    types = cfg.get("layer_types")
+    if types:
+        return tuple(int(window) if t == "sliding_attention" else None for t in types)
+    if arch.startswith("Qwen"):
+        if not cfg.get("use_sliding_window", False):
+            return (None,) * layers
+        first = cfg.get("max_window_layers", layers)
+        return tuple(int(window) if i >= first else None for i in range(layers))
+    return (int(window),) * layers
 
 
 def check_window(cfg: ModelConfig, max_model_len: int, source: str = "") -> None:

@@ -1,4 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norm).
+"""The Llama family (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with per-head q/k norm), and the decoder the
+Mixture-of-Experts families share (models/moe.py gives each layer its own MLP).
 
 Module names mirror the HF checkpoints so loading is a strict name-for-name copy; after loading,
 `fuse_projections` stacks q/k/v and gate/up into one GEMM each (fewer, bigger ops). Every op that
@@ -9,6 +10,7 @@ between the torch reference and the Triton kernels.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -45,9 +47,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
-        if cfg.qk_norm:
-            self.q_norm = RMSNormWeight(d, cfg.rms_norm_eps)
-            self.k_norm = RMSNormWeight(d, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # per head, or over the whole q and k projections (OLMoE)
+            whole = cfg.qk_norm == "projection"
+            self.q_norm = RMSNormWeight(self.num_heads * d if whole else d, cfg.rms_norm_eps)
+            self.k_norm = RMSNormWeight(self.num_kv_heads * d if whole else d, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
         self.scale = d**-0.5
         # Adapter slots of the fused projections (models/lora.py), set where LoRA is enabled
@@ -67,8 +70,11 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
         qkv = _with_lora(self.qkv_proj(x), x, self.qkv_lora, meta, ops)
         q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        if self.qk_norm == "projection":
+            q = ops.rms_norm(q.contiguous(), self.q_norm.weight, self.q_norm.eps)
+            k = ops.rms_norm(k.contiguous(), self.k_norm.weight, self.k_norm.eps)
         q, k, v = q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
-        if self.qk_norm:
+        if self.qk_norm == "head":
             q = ops.rms_norm(q.reshape(-1, d), self.q_norm.weight, self.q_norm.eps).view(t, -1, d)
             k = ops.rms_norm(k.reshape(-1, d), self.k_norm.weight, self.k_norm.eps).view(t, -1, d)
         q, k = ops.rope(q, k, positions, cos_sin)
@@ -80,11 +86,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
         self.gate_up_lora: LoRASlots | None = None
         self.down_lora: LoRASlots | None = None
 
@@ -100,23 +107,23 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
         self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
         super().__init__()
         # An uninitialised weight: the loader assigns the checkpoint's (init's normal_ would import torch's compiler
         # stack, tens of MB, into a process that never compiles)
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -124,11 +131,16 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
+        self.model = Backbone(cfg, self.make_mlp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @staticmethod
+    def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP (a dense SwiGLU here; an MoE family's router and experts)."""
+        return MLP(cfg)
 
     def fuse_projections(self) -> None:
         """Called once the HF-named weights are loaded; forward runs the fused layout only."""

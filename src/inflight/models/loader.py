@@ -20,8 +20,10 @@ from inflight.model_source import find_gguf, gguf_metadata
 from inflight.models.config import ModelConfig, config_errors
 from inflight.models.gguf_loader import FLOAT_TENSOR_TYPES, read_tensors, release_file_pages, tensor_types
 from inflight.models.llama import LlamaForCausalLM
+from inflight.models.moe import ExpertStacker, MoEForCausalLM
 from inflight.models.packed_linear import pack_linears
 from inflight.models.quantized import GGUFWeight, QuantizedEmbedding, QuantizedLinear, packed_kernel_available
+from inflight.models.registry import model_class
 from inflight.ops import cpu
 
 logger = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ def load_model(
         gguf_file = find_gguf(model_dir)
     cfg = ModelConfig.load(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_class(cfg.architecture)(cfg)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
@@ -86,7 +88,7 @@ def load_model(
         packed = {name: w for name, w in loaded.items() if isinstance(w, GGUFWeight)}
         loaded = {name: t for name, t in loaded.items() if not isinstance(t, GGUFWeight)}
     else:
-        loaded = _read_safetensors(model_dir, cfg, expected, dtype, device)
+        loaded = _read_safetensors(model_dir, model, expected, dtype, device)
     missing = sorted(set(expected) - set(loaded) - set(packed))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -237,16 +239,24 @@ def _check_tensor(
         )
 
 
-def _read_safetensors(model_dir: Path, cfg: ModelConfig, expected: dict, dtype, device) -> dict[str, torch.Tensor]:
+def _read_safetensors(model_dir: Path, model: LlamaForCausalLM, expected: dict, dtype, device) -> dict:
+    cfg = model.cfg
     loaded: dict[str, torch.Tensor] = {}
+    rename = getattr(model, "checkpoint_name", None)
+    experts = ExpertStacker(model, dtype, device) if isinstance(model, MoEForCausalLM) else None
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if name.endswith(_IGNORED_SUFFIXES):
+            for stored in f.keys():  # noqa: SIM118 - safe_open is not a dict
+                if stored.endswith(_IGNORED_SUFFIXES):
                     continue
+                name = rename(stored) if rename else stored
                 if name not in expected and cfg.tie_word_embeddings and name == "lm_head.weight":
                     continue
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(stored)
+                if experts is not None and experts.take(name, tensor):
+                    continue
                 _check_tensor(path.name, name, tensor, expected, cfg, "config.json")
                 loaded[name] = tensor.to(device=device, dtype=dtype)
+    if experts is not None:
+        loaded |= experts.finish()
     return loaded
