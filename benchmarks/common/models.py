@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from inflight.demo_model import DEMO_CONFIG, cached_demo_model
-from inflight.random_llama import num_parameters, write_llama
+from inflight.random_llama import num_parameters, write_llama, write_moe
 
 CACHE_DIR = Path(__file__).resolve().parents[2] / ".cache" / "models"
 
@@ -41,12 +41,29 @@ LLAMA_1B = {
     "head_dim": 64,
     "vocab_size": 32000,
 }
-MODELS: dict[str, dict[str, Any]] = {"demo": {}, "llama50m": LLAMA_50M, "llama32k": LLAMA_32K, "llama1b": LLAMA_1B}
+# Qwen3-30B-A3B's proportions scaled down (~189M parameters, ~40M active a token): 32 experts, top-4, hidden
+# 512, each expert a quarter of a dense MLP's width, GQA 8/2 heads of 64.
+QWEN3_MOE_SMALL = {
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "moe_intermediate_size": 384,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 32000,
+}
+MODELS: dict[str, dict[str, Any]] = {"demo": {}, "llama50m": LLAMA_50M, "llama32k": LLAMA_32K, "llama1b": LLAMA_1B,
+                                     "moe32": QWEN3_MOE_SMALL}  # fmt: skip
 
 
 def write_model(name: str, out_dir: str | Path, seed: int = 0) -> Path:
     if name not in MODELS:
         raise ValueError(f"model {name!r} is unknown: choose one of {', '.join(MODELS)} or pass a directory")
+    if "num_experts" in MODELS[name]:
+        return write_moe(out_dir, MODELS[name], seed)
     return write_llama(out_dir, MODELS[name], seed)
 
 

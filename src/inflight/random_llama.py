@@ -21,7 +21,10 @@ _SPACE = "Ġ"  # byte-level BPE's picture of a space
 def num_parameters(cfg: dict) -> int:
     h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    per_layer = h * d * (2 * nq + 2 * nkv) + 3 * h * inter + 2 * h
+    mlp = 3 * h * inter
+    if cfg.get("num_experts"):  # a router and every expert (write_moe)
+        mlp = cfg["num_experts"] * (h + 3 * h * cfg["moe_intermediate_size"])
+    per_layer = h * d * (2 * nq + 2 * nkv) + mlp + 2 * h
     return cfg["num_hidden_layers"] * per_layer + 2 * v * h + h
 
 
@@ -73,4 +76,34 @@ def write_llama(out_dir: str | Path, shape: dict[str, Any], seed: int = 0) -> Pa
         build_tokenizer(shape["vocab_size"], seed).save(str(out / "tokenizer.json"))
     save_file(build_weights(cfg, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg_path.write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def write_moe(out_dir: str | Path, shape: dict[str, Any], seed: int = 0) -> Path:
+    """A random Qwen3-MoE checkpoint: `write_llama`'s attention and tokenizer, every layer's MLP a router over
+    `num_experts` SwiGLU experts of `moe_intermediate_size` (top `num_experts_per_tok`, renormalised)."""
+    import torch
+
+    out = write_llama(out_dir, shape, seed)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").unlink()
+    cfg |= {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "norm_topk_prob": True,
+            "decoder_sparse_step": 1, "mlp_only_layers": []}  # fmt: skip
+    h, d, e, inter = cfg["hidden_size"], cfg["head_dim"], cfg["num_experts"], cfg["moe_intermediate_size"]
+    weights = {k: v for k, v in build_weights(cfg, seed).items() if ".mlp." not in k}
+    g = torch.Generator().manual_seed(seed + 1)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        weights[p + "self_attn.q_norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+        weights[p + "self_attn.k_norm.weight"] = 1.0 + 0.1 * torch.randn(d, generator=g)
+        weights[p + "mlp.gate.weight"] = torch.randn(e, h, generator=g) / h**0.5
+        for x in range(e):
+            q = f"{p}mlp.experts.{x}."
+            weights[q + "gate_proj.weight"] = torch.randn(inter, h, generator=g) / h**0.5
+            weights[q + "up_proj.weight"] = torch.randn(inter, h, generator=g) / h**0.5
+            weights[q + "down_proj.weight"] = torch.randn(h, inter, generator=g) / inter**0.5
+    save_file(
+        {k: t.contiguous() for k, t in weights.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
