@@ -41,7 +41,7 @@ from inflight.executor.sampler import Sampler
 from inflight.limits import default_max_prompt_bytes, resolve_max_model_len
 from inflight.lora_request import LoRARequest
 from inflight.model_source import resolve_model
-from inflight.models.config import ModelConfig, check_window, config_errors
+from inflight.models.config import ModelConfig, config_errors
 from inflight.models.loader import load_model, load_tokenizer, weight_bytes
 from inflight.models.lora import AdapterError
 from inflight.ops import dtype_probe
@@ -82,7 +82,6 @@ class LLMEngine:
         mc = self.model_config
         # The rules a client of the served model applies to the same config (inflight.limits).
         self.max_model_len = resolve_max_model_len(config.max_model_len, mc.max_position_embeddings)
-        check_window(mc, self.max_model_len, str(model_dir))
         self.max_prompt_bytes = config.max_prompt_bytes or default_max_prompt_bytes(self.max_model_len)
         self.eos_token_ids = set(mc.eos_token_ids)
         # Before the runner: CPU layer stacks and CUDA graphs take the adapter slots as they find them.
@@ -101,8 +100,15 @@ class LLMEngine:
                 f"KV cache holds {self.num_kv_blocks * block_size}; lower max_model_len or raise the KV budget"
             )
         events = config.kv_events_config
+        # Blocks behind the window are given back only where every layer is local (a global layer reads them all)
+        windows = mc.layer_sliding_windows
+        all_local = bool(windows) and all(w is not None for w in windows)
         self.block_manager = BlockManager(
-            self.num_kv_blocks, block_size, config.enable_prefix_caching, record_events=events.enabled
+            self.num_kv_blocks,
+            block_size,
+            config.enable_prefix_caching,
+            record_events=events.enabled,
+            sliding_window=min(windows) if all_local else None,
         )
         self.kv_events = ZmqEventPublisher(events) if events.enabled else None
         if self.kv_events is not None:  # a router forgets what an earlier engine on this endpoint held

@@ -34,10 +34,18 @@ def hash_block(parent: bytes, token_ids: Seq[int], extra_keys: tuple = ()) -> by
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, record_events: bool = False
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        record_events: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        # Where every layer attends to its last `sliding_window` tokens only: blocks behind the window go back
+        # to the pool while their sequence runs (`release_out_of_window`).
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = np.zeros(num_blocks, dtype=np.int32)
         # Blocks with ref count 0, allocated from the front. Cached blocks join at the back (evicted
@@ -182,15 +190,30 @@ class BlockManager:
             table.append(b)
         return True
 
+    def release_out_of_window(self, seq: Sequence) -> None:
+        """Give back the blocks no later query of `seq` reads: a query at position p >= num_computed_tokens sees
+        keys p - W + 1..p, so whole blocks before num_computed_tokens - W + 1 are done. Their table entries stay
+        (positions keep their blocks' indices) and the attention kernels never read them."""
+        if self.sliding_window is None:
+            return
+        done = min(max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size, len(seq.block_table))
+        for i in range(seq.num_released_blocks, done):
+            self._release(seq.block_table[i])
+        seq.num_released_blocks = max(seq.num_released_blocks, done)
+
     def free(self, seq: Sequence) -> None:
         """Release `seq`'s blocks, tail first, so a prefix outlives its suffixes in the LRU order."""
-        for b in reversed(seq.block_table):
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] == 0:
-                self._free[b] = None
-                if self._block_hash[b] is not None:
-                    self._num_free_cached += 1
-                else:
-                    self._free.move_to_end(b, last=False)
+        for b in reversed(seq.block_table[seq.num_released_blocks :]):
+            self._release(b)
         seq.block_table = []
         seq.num_registered_blocks = 0
+        seq.num_released_blocks = 0
+
+    def _release(self, b: int) -> None:
+        self.ref_counts[b] -= 1
+        if self.ref_counts[b] == 0:
+            self._free[b] = None
+            if self._block_hash[b] is not None:
+                self._num_free_cached += 1
+            else:
+                self._free.move_to_end(b, last=False)

@@ -118,6 +118,7 @@ class Scheduler:
         drafts: list[list[int]] = []
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            self.block_manager.release_out_of_window(seq)
             unspec = seq.num_tokens - seq.num_computed_tokens
             n = min(unspec + len(seq.spec_token_ids), budget)
             while not self.block_manager.allocate(seq, seq.num_computed_tokens + n):

@@ -39,6 +39,8 @@ class Sequence:
     # the cache at first admission (None until admitted).
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    # Leading blocks of `block_table` already given back: behind every layer's sliding window (kv_cache.py)
+    num_released_blocks: int = 0
     num_cached_tokens: int | None = None
     # Filled in by the engine as the request progresses (for metrics / benchmarks).
     cumulative_logprob: float = 0.0

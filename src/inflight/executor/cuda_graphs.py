@@ -174,8 +174,9 @@ class PiecewiseGraphRunner:
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         dtype = kv_caches[0][0].dtype
         self.attn_out = torch.zeros(n, cfg.num_attention_heads, cfg.head_dim, dtype=dtype, device=device)
-        # per size: the L + 1 graphs, each layer's query (a tensor of the graphs' pool) and scale, the output
-        self.pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[tuple[torch.Tensor, float]], torch.Tensor]] = {}
+        # per size: the L + 1 graphs, each layer's query (a tensor of the graphs' pool), scale and sliding window,
+        # the output
+        self.pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[tuple], torch.Tensor]] = {}
         self.replays: dict[int, int] = {}
 
     @torch.inference_mode()
@@ -204,8 +205,8 @@ class PiecewiseGraphRunner:
         if size > t:  # pad rows keep earlier steps' (valid) ids and positions but write no K/V
             self.slot_mapping[t:size].fill_(-1)
         graphs[0].replay()
-        for graph, (query, scale), (k_cache, v_cache) in zip(graphs[1:], queries, self.kv_caches, strict=True):
-            self.attn_out[:t].copy_(self.ops.attention(query[:t], k_cache, v_cache, meta, scale))
+        for graph, (query, scale, window), (k_cache, v_cache) in zip(graphs[1:], queries, self.kv_caches, strict=True):
+            self.attn_out[:t].copy_(self.ops.attention(query[:t], k_cache, v_cache, meta, scale, sliding_window=window))
             graph.replay()
         self.replays[size] = self.replays.get(size, 0) + 1
         return hidden[:t]
@@ -243,7 +244,7 @@ class _SplitAtAttention:
     def __init__(self, ops: Any, attn_out: torch.Tensor, pool: Any) -> None:
         self.ops, self.attn_out, self.pool = ops, attn_out, pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.queries: list[tuple[torch.Tensor, float]] = []
+        self.queries: list[tuple[torch.Tensor, float, int | None]] = []
         self._begin()
 
     def __getattr__(self, name: str) -> Any:
@@ -259,8 +260,8 @@ class _SplitAtAttention:
         if self.pool is None:
             self.pool = self.graphs[0].pool()
 
-    def attention(self, query, k_cache, v_cache, meta, scale, key=None, value=None) -> torch.Tensor:
+    def attention(self, query, k_cache, v_cache, meta, scale, key=None, value=None, sliding_window=None):
         self.finish()
-        self.queries.append((query, scale))
+        self.queries.append((query, scale, sliding_window))
         self._begin()
         return self.attn_out

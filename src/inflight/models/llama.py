@@ -35,8 +35,10 @@ class RMSNormWeight(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
+        windows = cfg.layer_sliding_windows
+        self.sliding_window = windows[layer] if windows else None  # keys older than this many tokens are masked
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
@@ -80,7 +82,12 @@ class Attention(nn.Module):
         q, k = ops.rope(q, k, positions, cos_sin)
         k_cache, v_cache = kv_cache
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ops.attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
+        if self.sliding_window is None:
+            out = ops.attention(q, k_cache, v_cache, meta, self.scale, key=k, value=v)
+        else:
+            out = ops.attention(
+                q, k_cache, v_cache, meta, self.scale, key=k, value=v, sliding_window=self.sliding_window
+            )
         out = out.reshape(t, self.num_heads * d)
         return _with_lora(self.o_proj(out), out, self.o_lora, meta, ops)
 
@@ -107,9 +114,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer)
         self.mlp = mlp
         self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
@@ -123,7 +130,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
 
