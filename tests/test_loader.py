@@ -13,7 +13,6 @@ from inflight.config import ConfigError
 from inflight.executor.attention import AttentionMetadata, TorchBackend
 from inflight.models.config import ModelConfig
 from inflight.models.loader import load_model
-from inflight.sampling_params import SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -109,22 +108,6 @@ def test_sharded_checkpoint_loads(tmp_path):
 def test_rope_theta_from_rope_parameters(tmp_path):
     cfg = dict(TINY, architectures=["LlamaForCausalLM"], rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     assert ModelConfig.from_hf_dict(cfg).rope_theta == 5e5
-
-
-def test_a_sliding_window_shorter_than_the_context_is_refused_until_max_model_len_fits(tmp_path, demo_model_dir):
-    """Full attention past the window answers wrong, so the engine refuses it; within the window it is exact."""
-    from inflight import LLM
-
-    path = make_checkpoint(tmp_path, "MistralForCausalLM", sliding_window=32)
-    shutil.copy(Path(demo_model_dir) / "tokenizer.json", path / "tokenizer.json")  # ids < 300 decode there too
-    assert ModelConfig.from_dir(path).sliding_window == 32
-    with pytest.raises(ConfigError, match=r"sliding_window=32 is shorter than max_model_len=128.*max_model_len <= 32"):
-        LLM(str(path), num_kv_blocks=16)
-    llm = LLM(str(path), num_kv_blocks=16, max_model_len=32)
-    hf = transformers.MistralForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ids = [(5 * i + 1) % TINY["vocab_size"] for i in range(24)]
-    torch.testing.assert_close(engine_logits(path, ids), hf_logits(hf, ids), atol=1e-4, rtol=1e-4)
-    assert llm.generate([ids], SamplingParams(max_tokens=4, temperature=0))[0].token_ids
 
 
 def test_qwen_windows_count_only_with_use_sliding_window():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -120,3 +120,22 @@ def batch_kinds(block_size: int) -> dict[str, list[tuple[int, int]]]:
         "chunk_after_prefix": [(bs, 20), (2 * bs + 3, bs - 1), (bs - 1, 2)],
         "mixed": [(0, 17), (40, 1), (bs - 1, bs + 1), (0, 1), (250, 1), (33, 9)],
     }
+
+
+# For sliding windows (HF's: the query at i sees keys i - W < j <= i): contexts 1, 40, 150, a fresh 37-token
+# prompt, a 20-token chunk after 50 cached tokens (its queries' windows straddle block edges), a chunk after 15.
+WINDOW_BATCH = [(0, 1), (39, 1), (149, 1), (0, 37), (50, 20), (15, 17)]
+
+
+def poison_outside_window(batch: PagedBatch, window: int) -> tuple[PagedBatch, int]:
+    """A copy whose cache blocks wholly before every query's window hold NaN (a server may free and reuse
+    them): a kernel that reads none of them gives exactly the clean batch's output. Returns (copy, blocks)."""
+    k_cache, v_cache = batch.k_cache.clone(), batch.v_cache.clone()
+    block_size, poisoned = k_cache.shape[1], 0
+    for b, seq_len in enumerate(batch.seq_lens_np.tolist()):
+        first_query = seq_len - int(batch.query_start_loc_np[b + 1] - batch.query_start_loc_np[b])
+        blocks = batch.block_tables[b, : max(0, first_query - window + 1) // block_size].long()
+        k_cache[blocks] = float("nan")
+        v_cache[blocks] = float("nan")
+        poisoned += len(blocks)
+    return replace(batch, k_cache=k_cache, v_cache=v_cache), poisoned

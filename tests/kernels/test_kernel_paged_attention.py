@@ -5,8 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from kernel_batches import DEVICE, PagedBatch, batch_kinds, dev, make_batch
+from kernel_batches import (
+    DEVICE,
+    WINDOW_BATCH,
+    PagedBatch,
+    batch_kinds,
+    dev,
+    make_batch,
+    poison_outside_window,
+)
 
+from inflight.executor.attention.metadata import AttentionMetadata
+from inflight.executor.attention.triton_backend import TritonBackend
 from inflight.ops import reference as oracles
 from inflight.ops.triton.paged_attention import paged_attention, plan_attention
 from inflight.ops.triton.split_k_decode import MAX_SPLITS, merge_splits, num_kv_splits
@@ -24,7 +34,7 @@ GEOMETRIES = [
 TOL = {torch.float32: 2e-5, torch.float16: 5e-3}
 
 
-def run(batch: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
+def run(batch: PagedBatch, num_splits: int | None = None, window: int | None = None) -> torch.Tensor:
     plan = plan_attention(
         batch.query_start_loc_np,
         batch.seq_lens_np,
@@ -43,10 +53,11 @@ def run(batch: PagedBatch, num_splits: int | None = None) -> torch.Tensor:
         batch.block_tables,
         scale,
         plan,
+        window,
     )
 
 
-def reference(batch: PagedBatch) -> torch.Tensor:
+def reference(batch: PagedBatch, window: int | None = None) -> torch.Tensor:
     scale = batch.query.shape[-1] ** -0.5
     return oracles.paged_attention(
         batch.query,
@@ -56,6 +67,7 @@ def reference(batch: PagedBatch) -> torch.Tensor:
         batch.seq_lens,
         batch.block_tables,
         scale,
+        window,
     )
 
 
@@ -157,3 +169,77 @@ def test_merge_splits_matches_reference():
     out = merge_splits(part, lse, torch.empty(3, 4, 80, device=DEVICE))
     torch.testing.assert_close(out, oracles.merge_splits(part, lse), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out[0, 0], part[0, 0, 0])
+
+
+# Sliding windows over WINDOW_BATCH: of one token, under a block, not a multiple of it, equal to a context (40),
+# a whole KV tile (64), longer than every context. Few KV heads: the interpreter's time grows with the programs.
+
+
+@pytest.mark.parametrize(
+    ("window", "hq", "hkv", "head_dim", "block_size", "dtype"),
+    [
+        (1, 8, 1, 64, 32, torch.float16),
+        (7, 4, 1, 32, 16, torch.float32),
+        (17, 6, 2, 48, 16, torch.float32),
+        (40, 8, 2, 128, 16, torch.float16),
+        (64, 6, 1, 96, 16, torch.float32),
+        (1000, 8, 1, 64, 32, torch.float16),
+    ],
+)
+def test_sliding_window_matches_reference(window, hq, hkv, head_dim, block_size, dtype):
+    # Blocks wholly before every query's window hold NaN: the kernel must not load them.
+    batch = make_batch(WINDOW_BATCH, hq, hkv, head_dim, block_size, dtype)
+    poisoned, blocks = poison_outside_window(batch, window)
+    assert blocks or window == 1000
+    assert_close(run(poisoned, num_splits=1, window=window), reference(batch, window), dtype)
+
+
+@pytest.mark.parametrize(("window", "num_splits"), [(17, 5), (100, 5), (500, 2)])
+def test_split_k_with_a_sliding_window(window, num_splits):
+    # The splits share the window's KV tiles: 100 keys of 517 leave most of five splits empty.
+    batch = make_batch([(0, 1), (299, 1), (516, 1), (16, 1)], 8, 1, 64, 16, torch.float16)
+    poisoned, blocks = poison_outside_window(batch, window)
+    assert blocks
+    assert_close(run(poisoned, num_splits, window), reference(batch, window), torch.float16)
+
+
+def test_split_k_with_a_sliding_window_on_a_mixed_batch():
+    # Early rows of a prefill chunk see no key in late splits; a decode row's window starts mid-tile.
+    batch = make_batch([(0, 17), (80, 1), (33, 9)], 4, 1, 32, 16)
+    assert_close(run(batch, 3, window=21), reference(batch, 21), torch.float32)
+
+
+def test_reference_is_sliding_window_attention():
+    # Guards the reference itself: a fresh prompt and a chunk after a prefix, against SDPA with a band mask.
+    for cached, queried, window in ((0, 40, 7), (30, 10, 16)):
+        batch = make_batch([(cached, queried)], 4, 2, 32, 16, garbage=None)
+        pos = torch.arange(cached + queried, device=DEVICE)
+        slots = batch.block_tables[0].long()[pos // 16]
+        k = batch.k_cache[slots, pos % 16].repeat_interleave(2, dim=1)
+        v = batch.v_cache[slots, pos % 16].repeat_interleave(2, dim=1)
+        back = pos[cached:, None] - pos[None, :]
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            batch.query.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=(back >= 0) & (back < window)
+        ).transpose(0, 1)
+        torch.testing.assert_close(reference(batch, window), sdpa, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(reference(batch, window), reference(batch))
+
+
+def test_a_sliding_window_caps_the_split_count():
+    one, lens = np.array([0, 1], dtype=np.int32), np.array([8192], dtype=np.int32)
+    cpu = torch.device("cpu")
+    assert plan_attention(one, lens, 32, 8, cpu).num_splits == MAX_SPLITS
+    assert plan_attention(one, lens, 32, 8, cpu, sliding_window=1024).num_splits == 2  # 1024 keys: 2 x 512
+    # The backend's windowed layers reuse the step's query tiles with their own split count.
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(1, dtype=torch.int64),
+        query_start_loc=torch.from_numpy(one),
+        seq_lens=torch.from_numpy(lens),
+        block_tables=torch.zeros(1, 512, dtype=torch.int32),
+        query_start_loc_np=one,
+        seq_lens_np=lens,
+    )
+    full = TritonBackend.plan(meta, 32, 8, cpu)
+    windowed = TritonBackend.plan(meta, 32, 8, cpu, sliding_window=1024)
+    assert (full.num_splits, windowed.num_splits) == (MAX_SPLITS, 2) and windowed.launches is full.launches
+    assert TritonBackend.plan(meta, 32, 8, cpu, sliding_window=1024) is windowed

@@ -83,6 +83,10 @@ class CpuForward:
         cfg = model.cfg
         if cfg.head_dim % 2 or cfg.head_dim > 512 or dtype not in (torch.float32, torch.bfloat16):
             return False
+        # The layer stack attends over whole contexts: a sliding window (any layer's) takes the per-op path.
+        windows = getattr(cfg, "layer_sliding_windows", None) or ()
+        if getattr(cfg, "sliding_window", None) is not None or any(w is not None for w in windows):
+            return False
         return cpu.gemm_supports(dtype, 2)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -17,6 +17,8 @@ from inflight.models.registry import supported_architectures
 SUPPORTED_ARCHITECTURES = supported_architectures()
 # RMSNorm of q and k: over each head (Qwen3, Qwen3-MoE) or over the whole projection (OLMoE)
 QK_NORM = {"Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "OlmoeForCausalLM": "projection"}
+# Families that read their RoPE (per layer kind, own scalings) from `hf_config` themselves
+OWN_ROPE = ("Gemma3ForCausalLM",)
 
 
 @dataclass
@@ -78,10 +80,13 @@ class ModelConfig:
                 raise ConfigError(f"{source}: required field {key!r} is missing")
             return cfg[key]
 
+        cfg = _family_defaults(cfg, arch)
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         rope_params = cfg.get("rope_parameters") or {}
         rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") else None)
+        if arch in OWN_ROPE:
+            rope_scaling = None
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in ("default", None):
             rope_scaling = None
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "llama3":
@@ -116,6 +121,20 @@ class ModelConfig:
         )
 
 
+def _family_defaults(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma 3's config.json may leave out fields whose HF defaults differ from the generic ones: tied
+    embeddings, the window, and `layer_types` (every `sliding_window_pattern`-th layer global)."""
+    if arch != "Gemma3ForCausalLM":
+        return cfg
+    cfg = {"tie_word_embeddings": True, "sliding_window": 4096, "head_dim": 256, **cfg}
+    if not cfg.get("layer_types") and isinstance(cfg.get("num_hidden_layers"), int):
+        pattern = cfg.get("sliding_window_pattern") or 6
+        cfg["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(cfg["num_hidden_layers"])
+        ]
+    return cfg
+
+
 def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
     """Each layer's window as HF builds its masks: `layer_types` where the config lists them; else Mistral and
     Mixtral window every layer, and Qwen's only with `use_sliding_window`, from layer `max_window_layers` on."""
@@ -131,17 +150,6 @@ def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | N
         first = cfg.get("max_window_layers", layers)
         return tuple(int(window) if i >= first else None for i in range(layers))
     return (int(window),) * layers
-
-
-def check_window(cfg: ModelConfig, max_model_len: int, source: str = "") -> None:
-    """Sliding-window attention is not computed here: a context past the window would attend to tokens the
-    model never saw together, so such a max_model_len is refused (within the window, full attention is exact)."""
-    if cfg.sliding_window is not None and max_model_len > cfg.sliding_window:
-        raise ConfigError(
-            f"{source or cfg.architecture}: sliding_window={cfg.sliding_window} is shorter than max_model_len="
-            f"{max_model_len}, and sliding-window attention is not implemented (positions past the window would "
-            f"answer wrong): set max_model_len <= {cfg.sliding_window} to serve this checkpoint"
-        )
 
 
 @contextlib.contextmanager

@@ -79,10 +79,13 @@ def paged_attention(
     block_tables: torch.Tensor,  # [R, >= blocks used] int32: each row's sequence's table
     seq_lens: torch.Tensor,  # [R] int32: each row's context length (its position + 1)
     scale: float,
+    sliding_window: int | None = None,  # a row of length L sees keys L - W..L - 1; None: its whole context
 ) -> torch.Tensor:
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     with record("paged_attention"):
-        (_module or load()).paged_attention(out, query, k_cache, v_cache, block_tables, seq_lens, scale)
+        (_module or load()).paged_attention(
+            out, query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
+        )
     return out
 
 
@@ -171,6 +174,29 @@ def lora_apply(
             a_t = torch.nn.functional.pad(a_t, (0, pad))
             b_t = torch.nn.functional.pad(b_t, (0, 0, 0, pad))
         (_module or load()).lora_apply(out, x, a_t, b_t, offsets, token_slots, MIN_MACS_PER_THREAD)
+
+
+def moe_pack(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FusedExperts' w13 [E, 2I, H] and w2 [E, H, I] (fp32 or bf16) in `fused_moe`'s panels (this build's vector
+    width), made once at load: each gate panel beside its up panel, zero-padded past the outputs."""
+    module = _module or load()
+    return module.moe_pack(w13, True), module.moe_pack(w2, False)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [T, H] fp32/bf16, rows contiguous
+    packed: tuple[torch.Tensor, torch.Tensor],  # moe_pack(w13, w2), x's dtype
+    topk_weights: torch.Tensor,  # fp32 [T, k]
+    topk_ids: torch.Tensor,  # int32 [T, k]
+) -> torch.Tensor:
+    """Each token through its k experts' SwiGLU MLPs weighted by the router, `reference.fused_moe`'s rounding
+    -> [T, H] in x's dtype; each output's sum runs in one fixed order, whatever shares the batch."""
+    out = torch.empty(x.shape, dtype=x.dtype)
+    with record("fused_moe"):
+        (_module or load()).fused_moe(
+            out, x, *packed, topk_weights.contiguous(), topk_ids.contiguous(), MIN_MACS_PER_THREAD
+        )
+    return out
 
 
 _NO_SEGMENTS = torch.empty((0, 5), dtype=torch.int64)

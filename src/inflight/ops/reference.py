@@ -75,6 +75,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> gelu(gate, tanh approximation) * up, [T, I]: Gemma's GeGLU (HF's `gelu_pytorch_tanh`)."""
+    gate, up = x.split(x.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def paged_attention(
     query: torch.Tensor,  # [N, Hq, D]: sequence b's queries are the last q_len of its seq_lens[b] positions
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -83,8 +89,10 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [B]
     block_tables: torch.Tensor,  # [B, max_blocks]
     scale: float,
+    sliding_window: int | None = None,  # HF's: the query at i sees keys i - W < j <= i; None: all j <= i
 ) -> torch.Tensor:
-    """Per sequence: gather its context through the block table, causal softmax in fp32."""
+    """Per sequence: gather its context through the block table, causal softmax in fp32. Only keys some
+    query sees are gathered: positions before every query's window are never read."""
     out = torch.empty_like(query)
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = query.shape[1] // num_kv_heads
@@ -93,14 +101,19 @@ def paged_attention(
         start, end = qsl[b], qsl[b + 1]
         if end == start:
             continue
-        pos = torch.arange(seq_len, device=query.device)
+        first_q = seq_len - (end - start)
+        first_key = max(0, first_q - sliding_window + 1) if sliding_window else 0
+        pos = torch.arange(first_key, seq_len, device=query.device)
         slots = block_tables[b].long()[pos // block_size]
         k = k_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = v_cache[slots, pos % block_size].float().repeat_interleave(group, dim=1)
         q = query[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-        q_pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
-        scores.masked_fill_(pos[None, :] > q_pos[:, None], float("-inf"))
+        q_pos = torch.arange(first_q, seq_len, device=query.device)
+        hidden = pos[None, :] > q_pos[:, None]
+        if sliding_window:
+            hidden |= pos[None, :] <= q_pos[:, None] - sliding_window
+        scores.masked_fill_(hidden, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(query.dtype)
     return out
 

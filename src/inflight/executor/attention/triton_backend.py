@@ -7,11 +7,13 @@ on a CPU they run only under `TRITON_INTERPRET=1` (slow, for tests). The per-ste
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from inflight.executor.attention.metadata import AttentionMetadata
+from inflight.ops.triton.fused_moe import fused_moe
 from inflight.ops.triton.kv_write import write_kv
 from inflight.ops.triton.lora import LoRAKernelMeta, lora_apply, lora_kernel_meta
 from inflight.ops.triton.paged_attention import AttentionPlan, paged_attention, plan_attention
@@ -21,6 +23,7 @@ from inflight.ops.triton.split_k_decode import device_sm_count, num_kv_splits
 
 if TYPE_CHECKING:
     from inflight.models.lora import LoRASlots
+    from inflight.models.moe import FusedExperts
 
 
 class TritonBackend:
@@ -45,10 +48,11 @@ class TritonBackend:
         scale: float,
         key: torch.Tensor | None = None,  # unused: the kernel reads every context token from the cache
         value: torch.Tensor | None = None,
+        sliding_window: int | None = None,  # HF's: the query at i sees keys i - W < j <= i; None: all j <= i
     ) -> torch.Tensor:  # [T, Hq, D]
-        plan = self.plan(meta, query.shape[1], k_cache.shape[2], query.device)
+        plan = self.plan(meta, query.shape[1], k_cache.shape[2], query.device, sliding_window=sliding_window)
         return paged_attention(
-            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, plan
+            query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale, plan, sliding_window
         )
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -76,6 +80,11 @@ class TritonBackend:
         gate, up = x.split(x.shape[-1] // 2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] (gate, up halves) -> gelu_tanh(gate) * up, [T, I]."""
+        gate, up = x.split(x.shape[-1] // 2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
     def lora_apply(self, out: torch.Tensor, x: torch.Tensor, lora: LoRASlots, token_slots: torch.Tensor) -> None:
         """out += each row's adapter delta (models/lora.py's LoRASlots), in place. The rows' grouping by slot
         is made on the step's first call and reused while the same `token_slots` tensor comes back unchanged
@@ -98,18 +107,39 @@ class TritonBackend:
         num_kv_heads: int,
         device: torch.device,
         num_splits: int | None = None,
+        sliding_window: int | None = None,
     ) -> AttentionPlan:
         """The step's plan, made on its first layer and kept in `meta.cache` for the others (a CUDA graph
-        makes it before capturing, with the split-K count of its key)."""
+        makes it before capturing, with the split-K count of its key). A sliding window's layers share its
+        query tiles (no new tensors: safe inside a capture) with a split count for at most the window's keys."""
         key = f"triton_plan:{num_q_heads}:{num_kv_heads}"
         plan = meta.cache.get(key)
         if plan is None:
             plan = meta.cache[key] = plan_attention(
                 meta.query_start_loc_np, meta.seq_lens_np, num_q_heads, num_kv_heads, device, num_splits
             )
-        return plan
+        if not sliding_window or plan.num_splits == 1:
+            return plan
+        window_key = f"{key}:{sliding_window}"
+        windowed = meta.cache.get(window_key)
+        if windowed is None:
+            max_keys = min(int(meta.seq_lens_np.max(initial=0)), sliding_window)
+            max_q = int(meta.query_lens_np.max(initial=0))
+            splits = num_kv_splits(len(meta.seq_lens_np), num_kv_heads, max_keys, max_q, device_sm_count(device))
+            windowed = meta.cache[window_key] = replace(plan, num_splits=min(splits, plan.num_splits))
+        return windowed
 
     @staticmethod
     def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, max_query_len: int, device: torch.device) -> int:
         """The split-K count `plan` would pick for such a step."""
         return num_kv_splits(num_seqs, num_kv_heads, max_seq_len, max_query_len, device_sm_count(device))
+
+    def fused_moe(
+        self,
+        x: torch.Tensor,  # [T, H]
+        experts: FusedExperts,
+        topk_weights: torch.Tensor,  # fp32 [T, k]
+        topk_ids: torch.Tensor,  # int32 [T, k]
+    ) -> torch.Tensor:  # [T, H], x's dtype
+        """Each token through its k experts, weighted: the fused-MoE kernel, block sizes per `get_config`."""
+        return fused_moe(x, experts.w13, experts.w2, topk_weights, topk_ids)

@@ -3,7 +3,8 @@
 Queries are flattened and unpadded (`query_start_loc` [B+1]); sequence b's queries are the LAST
 q_len of its `seq_lens[b]` positions, so a prefill chunk with a cached prefix, a whole prompt and a
 single decode token are the same case. Attention is causal by absolute position and reads keys and
-values only through `block_tables`.
+values only through `block_tables`. With a sliding window (HF's: the query at i sees keys i - W < j <= i)
+the KV loop starts at the tile's first visible key, and keys before it are never loaded.
 
 One program = one tile of BLOCK_Q query tokens of one sequence x every query head of one KV head's
 group (GQA): its rows are (token, head-in-group) pairs, so each KV tile is loaded once for the whole
@@ -33,8 +34,9 @@ TILE_N = 64
 
 
 # The block table's row stride changes with the batch's longest context: specializing on it (== 1,
-# divisible by 16) would recompile the kernel mid-serving when a step crosses those values.
-@triton.jit(do_not_specialize=["stride_bt"])
+# divisible by 16) would recompile the kernel mid-serving when a step crosses those values. The window is
+# a runtime value (one binary for every window size); SLIDING alone picks the binary.
+@triton.jit(do_not_specialize=["stride_bt", "window"])
 def _unified_attention_kernel(
     q_ptr,  # [T, Hq, D]
     k_cache_ptr,  # [num_blocks, block_size, Hkv, D]
@@ -61,6 +63,7 @@ def _unified_attention_kernel(
     stride_l_split,
     stride_l_tok,
     stride_bt,
+    window,  # sliding window in tokens (read only when SLIDING)
     GROUP: tl.constexpr,  # query heads per KV head
     GROUP_PAD: tl.constexpr,
     BLOCK_Q: tl.constexpr,
@@ -69,6 +72,7 @@ def _unified_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
@@ -100,12 +104,18 @@ def _unified_attention_kernel(
         other=0.0,
     )
 
-    # Causal: no query of this tile sees past the tile's last position. Split s takes an equal
-    # share of the KV tiles (an empty share leaves lse = -inf and weight 0 in the merge).
+    # Causal: no query of this tile sees past the tile's last position, nor (sliding) before its first
+    # query's window: keys kv_lo..kv_len - 1. Split s takes an equal share of the KV tiles that hold
+    # them (an empty share leaves lse = -inf and weight 0 in the merge).
     kv_len = tl.minimum(seq_len, context_len + q_tile + BLOCK_Q)
+    if SLIDING:
+        kv_lo = tl.maximum(context_len + q_tile - window + 1, 0)
+    else:
+        kv_lo = 0
+    first_kv_tile = kv_lo // TILE_N
     num_kv_tiles = tl.cdiv(kv_len, TILE_N)
-    tiles_per_split = tl.cdiv(num_kv_tiles, num_splits)
-    tile_lo = split * tiles_per_split
+    tiles_per_split = tl.cdiv(num_kv_tiles - first_kv_tile, num_splits)
+    tile_lo = first_kv_tile + split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_kv_tiles)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -117,6 +127,8 @@ def _unified_attention_kernel(
     for j in range(tile_lo, tile_hi):
         kv_pos = j * TILE_N + tl.arange(0, TILE_N)
         kv_ok = kv_pos < kv_len
+        if SLIDING:  # keys before every query's window are never loaded
+            kv_ok = kv_ok & (kv_pos >= kv_lo)
         block = tl.load(block_row + kv_pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
         slot = kv_pos % BLOCK_SIZE
         k = tl.load(  # [HEAD_DIM_PAD, TILE_N]
@@ -125,7 +137,10 @@ def _unified_attention_kernel(
             other=0.0,
         )
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2
-        s = tl.where(kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        visible = kv_ok[None, :] & (kv_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            visible = visible & (kv_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # A row with no visible key yet (padding, or an early query in a late split) keeps
         # m = -inf; shift by 0 instead so exp2 gives 0 rather than NaN.
@@ -193,8 +208,10 @@ def plan_attention(
     num_kv_heads: int,
     device: torch.device,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
 ) -> AttentionPlan:
-    """Cut every sequence's queries into tiles and pick single pass or split-K (None = automatic).
+    """Cut every sequence's queries into tiles and pick single pass or split-K (None = automatic;
+    with a sliding window a decode row streams at most its window's keys).
 
     Single-token (decode) queries get decode-sized tiles and longer ones prefill-sized tiles, in
     two launches when a step mixes both: a decode row in a 64-row prefill tile would compute 60
@@ -211,9 +228,10 @@ def plan_attention(
         if len(part)
     ]
     if num_splits is None:
-        num_splits = num_kv_splits(
-            len(q_lens), num_kv_heads, int(seq_lens_np.max(initial=0)), max_query_len, device_sm_count(device)
-        )
+        max_keys = int(seq_lens_np.max(initial=0))
+        if sliding_window:
+            max_keys = min(max_keys, sliding_window)
+        num_splits = num_kv_splits(len(q_lens), num_kv_heads, max_keys, max_query_len, device_sm_count(device))
     return AttentionPlan(launches=launches, num_splits=num_splits)
 
 
@@ -226,8 +244,10 @@ def paged_attention(
     block_tables: torch.Tensor,  # [B, max_blocks] int32
     scale: float,
     plan: AttentionPlan,
+    sliding_window: int | None = None,  # HF's: the query at i sees keys i - W < j <= i; None (or 0): all j <= i
 ) -> torch.Tensor:  # [T, Hq, D]
     num_tokens, num_q_heads, head_dim = query.shape
+    assert (sliding_window or 0) >= 0, "sliding_window: a number of tokens"
     num_kv_heads = k_cache.shape[2]
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache rows must be contiguous"
@@ -278,6 +298,7 @@ def paged_attention(
             lse.stride(0) if split else 0,
             lse.stride(1) if split else 0,
             block_tables.stride(0),
+            sliding_window or 0,
             GROUP=group,
             GROUP_PAD=group_pad,
             BLOCK_Q=tiles.block_q,
@@ -286,6 +307,7 @@ def paged_attention(
             BLOCK_SIZE=k_cache.shape[1],
             TILE_N=TILE_N,
             SPLIT=split,
+            SLIDING=bool(sliding_window),
             # fp32 caches are the CPU/reference dtype: keep full precision instead of TF32.
             DOT_PRECISION="ieee" if fp32 else "tf32",
             # fp32 K/V tiles are twice the bytes: two pipeline stages keep them within shared memory.

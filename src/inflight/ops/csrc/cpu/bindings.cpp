@@ -10,7 +10,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", torch::wrap_pybind_function(rope), "rope");
   m.def("write_kv", torch::wrap_pybind_function(write_kv), "write_kv");
   m.def("silu_and_mul", torch::wrap_pybind_function(silu_and_mul), "silu_and_mul");
-  m.def("paged_attention", torch::wrap_pybind_function(paged_attention), "paged_attention");
+  m.def("paged_attention", torch::wrap_pybind_function(paged_attention), "paged_attention", py::arg("out"),
+        py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("window") = 0);
   m.def("linear", torch::wrap_pybind_function(linear), "linear");
   m.def("gguf_pack", torch::wrap_pybind_function(gguf_pack), "gguf_pack");
   m.def("gguf_linear", torch::wrap_pybind_function(gguf_linear), "gguf_linear");
@@ -23,5 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supports_bf16", torch::wrap_pybind_function(supports_bf16), "supports_bf16");
   m.def("amx_for", torch::wrap_pybind_function(amx_for), "amx_for");
   m.def("lora_apply", torch::wrap_pybind_function(lora_apply), "lora_apply");
+  m.def("moe_pack", torch::wrap_pybind_function(moe_pack), "moe_pack");
+  m.def("fused_moe", torch::wrap_pybind_function(fused_moe), "fused_moe");
   m.def("llama_forward", torch::wrap_pybind_function(llama_forward), "llama_forward");
 }

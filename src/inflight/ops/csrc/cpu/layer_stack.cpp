@@ -224,7 +224,8 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
                              tiles.data(),
                              num_tiles,
                              static_cast<float>(scale),
-                             attention_splits(Hkv, num_tiles, nt)};
+                             attention_splits(Hkv, num_tiles, nt),
+                             0};  // no sliding window: CpuForward.supported() refuses models with one
   std::vector<std::atomic<int64_t>> next(L);
   for (auto& n : next) n.store(0);
   st.attn_next = next.data();

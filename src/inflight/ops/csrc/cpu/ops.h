@@ -17,7 +17,7 @@ void rope(at::Tensor q, at::Tensor k, at::Tensor positions, at::Tensor cos, at::
 void write_kv(at::Tensor key, at::Tensor value, at::Tensor k_cache, at::Tensor v_cache, at::Tensor slot_mapping);
 void silu_and_mul(at::Tensor out, at::Tensor x);
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor seq_lens, double scale);
+                     at::Tensor seq_lens, double scale, int64_t window);
 void linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::Tensor> bias,
             int64_t min_macs_per_thread);
 void argmax_rows(at::Tensor out, at::Tensor logits);
@@ -34,6 +34,9 @@ bool supports_bf16();
 bool amx_for(int64_t K);
 void lora_apply(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Tensor offsets, at::Tensor token_slots,
                 int64_t min_macs_per_thread);
+at::Tensor moe_pack(at::Tensor w, bool gate_up);
+void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_weights,
+               at::Tensor topk_ids, int64_t min_macs_per_thread);
 void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                    at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
@@ -90,6 +93,7 @@ struct AttentionArgs {
   int64_t num_tiles;
   float scale;
   int64_t splits;  // tasks per tile: KV-head ranges; a task's bits do not depend on how heads are split
+  int64_t window;  // sliding window: a row of length L sees keys L - window..L - 1; 0 = its whole context
 };
 
 constexpr int64_t MAX_TILE_ROWS = 16;  // rows of one sequence that share each K/V block's reads

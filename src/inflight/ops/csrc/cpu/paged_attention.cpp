@@ -1,5 +1,6 @@
 // Paged attention by rows: each query row has its own block table row and context length, K/V read in
-// place through the block table, one pass with an online softmax per block.
+// place through the block table, one pass with an online softmax per block. With a sliding window a row
+// starts at its window's first block and skips the keys before the window: earlier blocks are never read.
 #include <type_traits>
 #include <vector>
 
@@ -195,6 +196,8 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
   const int64_t row_stride = Hkv * D;  // between consecutive tokens inside a block
   const float fscale = a.scale;
   const int64_t splits = a.splits;
+  // A row of length n sees keys first_key(n)..n - 1: its sliding window's, or its whole context.
+  const auto first_key = [&](int64_t n) { return a.window > 0 ? std::max<int64_t>(0, n - a.window) : int64_t(0); };
   const int64_t per = (Hkv + splits - 1) / splits;
   int64_t R = 1;  // the largest tile among these tasks
   for (int64_t task = begin; task < end; ++task) R = std::max(R, a.tiles[task / splits + 1] - a.tiles[task / splits]);
@@ -234,9 +237,11 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
     if (nh <= 0) continue;
     const int64_t r0 = a.tiles[tile], nr = a.tiles[tile + 1] - r0;
     const int32_t* table = a.tables + (r0 + nr - 1) * table_stride;  // the last row's: every row's blocks
-    int64_t L = 0;
+    // L: the tile's longest context; lo: the first key any of its rows sees (its window's, or 0).
+    int64_t L = 0, lo = INT64_MAX;
     for (int64_t r = 0; r < nr; ++r) {
       L = std::max<int64_t>(L, lens[r0 + r]);
+      lo = std::min(lo, first_key(lens[r0 + r]));
       for (int64_t x = 0; x < nh * G; ++x) {
         float* qx = qv + (r * X + x) * D;
         float* ax = accv + (r * X + x) * D;
@@ -248,7 +253,7 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
         lv[r * X + x] = 0.f;
       }
     }
-    for (int64_t t0 = 0; t0 < L; t0 += bs) {
+    for (int64_t t0 = lo / bs * bs; t0 < L; t0 += bs) {
       const int64_t base = (int64_t(table[t0 / bs]) * bs * Hkv + h0) * D;
       const scalar_t* __restrict__ kb = k_ptr + base;
       const scalar_t* __restrict__ vb = v_ptr + base;
@@ -259,14 +264,16 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
       if (t0 + bs < L) {
         pf_n = queue_block(table[t0 / bs + 1], h0, nh, bs);
       } else if (task + 1 < end) {
-        const int64_t h1 = ((task + 1) % splits) * per, r1 = a.tiles[(task + 1) / splits + 1] - 1;
-        pf_n =
-            queue_block(a.tables[r1 * table_stride], h1, std::min(Hkv, h1 + per) - h1, std::min<int64_t>(bs, lens[r1]));
+        const int64_t h1 = ((task + 1) % splits) * per, next = (task + 1) / splits;
+        const int64_t r1 = a.tiles[next + 1] - 1, t1 = first_key(lens[a.tiles[next]]) / bs * bs;
+        pf_n = queue_block(a.tables[r1 * table_stride + t1 / bs], h1, std::min(Hkv, h1 + per) - h1,
+                           std::min<int64_t>(bs, lens[r1] - t1));
       }
       if (nr == 1) {  // a lone row (decode) reads the cache in place, bf16 widened as it reads: no scratch pass
-        const int64_t nt = std::min<int64_t>(n, lens[r0] - t0);
+        const int64_t skip = std::max<int64_t>(0, lo - t0), nt = std::min<int64_t>(n, lens[r0] - t0);
         const RowState s{qv, accv, sv, mv, lv, pf.data(), pf_n};
-        row_block<scalar_t, D_FIXED, SIMD>(s, kb, vb, row_stride, nt, nh, G, D, bs);
+        row_block<scalar_t, D_FIXED, SIMD>(s, kb + skip * row_stride, vb + skip * row_stride, row_stride, nt - skip, nh,
+                                           G, D, bs);
         continue;
       }
       const kv_t* kr;
@@ -274,7 +281,7 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
       int64_t stride;
       if constexpr (WIDEN) {
 #if HAVE_SIMD_ATTENTION
-        for (int64_t i = 0; i < n; ++i)
+        for (int64_t i = std::max<int64_t>(0, lo - t0); i < n; ++i)
           for (int64_t e = 0; e < nh * D; e += 16) {
             _mm512_storeu_ps(kw + i * nh * D + e, load16(kb + i * row_stride + e));
             _mm512_storeu_ps(vw + i * nh * D + e, load16(vb + i * row_stride + e));
@@ -285,15 +292,18 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
         kr = reinterpret_cast<const kv_t*>(kb), vr = reinterpret_cast<const kv_t*>(vb), stride = row_stride;
       }
       for (int64_t r = 0; r < nr; ++r) {  // the tile's rows share the prefetches
+        // This row's keys in the block: skip..nr_tokens - 1 (none when the block is outside its window).
+        const int64_t skip = std::max<int64_t>(0, first_key(lens[r0 + r]) - t0);
         const int64_t nr_tokens = std::min<int64_t>(n, lens[r0 + r] - t0);
         const int64_t p0 = pf_n * r / nr, p1 = pf_n * (r + 1) / nr;
-        if (nr_tokens <= 0) {
+        if (nr_tokens <= skip) {
           for (int64_t i = p0; i < p1; ++i) __builtin_prefetch(pf[i]);
           continue;
         }
         const RowState s{qv + r * X * D, accv + r * X * D, sv + r * X * bs, mv + r * X,
                          lv + r * X,     pf.data() + p0,   p1 - p0};
-        row_block<kv_t, D_FIXED, SIMD>(s, kr, vr, stride, nr_tokens, nh, G, D, bs);
+        row_block<kv_t, D_FIXED, SIMD>(s, kr + skip * stride, vr + skip * stride, stride, nr_tokens - skip, nh, G, D,
+                                       bs);
       }
     }
     for (int64_t r = 0; r < nr; ++r)
@@ -340,7 +350,7 @@ template void attention_tasks_any<float>(const AttentionArgs<float>&, int64_t, i
 template void attention_tasks_any<c10::BFloat16>(const AttentionArgs<c10::BFloat16>&, int64_t, int64_t);
 
 void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::Tensor v_cache, at::Tensor block_tables,
-                     at::Tensor seq_lens, double scale) {
+                     at::Tensor seq_lens, double scale, int64_t window) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query: [B, Hq, D], heads contiguous");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2), "out: like query");
@@ -352,6 +362,7 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
               "block_tables: int32, rows contiguous");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous() && seq_lens.size(0) == query.size(0),
               "seq_lens: int32 [B]");
+  TORCH_CHECK(window >= 0, "window: >= 0 (0: no sliding window)");
   DISPATCH(query.scalar_type(), "paged_attention", [&] {
     const int64_t B = query.size(0), Hkv = k_cache.size(2);
     const std::vector<int64_t> tiles = attention_tiles(block_tables.data_ptr<int32_t>(), block_tables.stride(0),
@@ -373,7 +384,8 @@ void paged_attention(at::Tensor out, at::Tensor query, at::Tensor k_cache, at::T
                                     tiles.data(),
                                     num_tiles,
                                     static_cast<float>(scale),
-                                    attention_splits(Hkv, num_tiles, at::get_num_threads())};
+                                    attention_splits(Hkv, num_tiles, at::get_num_threads()),
+                                    window};
     at::parallel_for(0, num_tiles * a.splits, 1,
                      [&](int64_t begin, int64_t end) { attention_tasks_any(a, begin, end); });
   });
