@@ -174,3 +174,9 @@ def test_a_gguf_file_of_the_family_gives_the_checkpoints_logits(family, tmp_path
     quantized_hf = copy.deepcopy(hf_model)
     q8 = write_moe_gguf(tmp_path / "q8.gguf", quantized_hf, GGUF_ARCH[arch], Q.Q8_0)
     torch.testing.assert_close(logits(q8), hf_logits(quantized_hf, ids), atol=2e-4, rtol=1e-4)
+
+
+def test_lora_on_a_moe_model_is_refused_by_name(family):
+    model_dir, hf_model = family
+    with pytest.raises(ConfigError, match=f"LoRA adapters are not supported on {hf_model.config.architectures[0]}"):
+        LLM(str(model_dir), dtype=FP32, num_kv_blocks=16, enable_lora=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inflight.config import EngineConfig
+from inflight.config import ConfigError, EngineConfig
 from inflight.errors import InvalidRequestError
 from inflight.lora_request import stable_lora_id
 from inflight.models import lora as lora_layers
@@ -37,6 +37,11 @@ class RegisteredAdapter:
 
 class LoRAManager:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig) -> None:
+        if type(model) is not LlamaForCausalLM:  # adapters sit on the dense projections of the Llama decoder
+            raise ConfigError(
+                f"enable_lora: LoRA adapters are not supported on {model_config.architecture}; supported: the "
+                "dense Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+            )
         self.model, self.model_config = model, model_config
         self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
