@@ -113,7 +113,8 @@ def test_rope_theta_from_rope_parameters(tmp_path):
 def test_qwen_windows_count_only_with_use_sliding_window():
     base = dict(TINY, architectures=["Qwen2ForCausalLM"], sliding_window=32)
     assert ModelConfig.from_hf_dict(base).sliding_window is None
-    assert ModelConfig.from_hf_dict(base | {"use_sliding_window": True}).sliding_window == 32
+    assert ModelConfig.from_hf_dict(base | {"use_sliding_window": True}).sliding_window is None  # layers < 28
+    assert ModelConfig.from_hf_dict(base | {"use_sliding_window": True, "max_window_layers": 1}).sliding_window == 32
 
 
 def test_unsupported_architecture_lists_supported(tmp_path):

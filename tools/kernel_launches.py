@@ -31,6 +31,7 @@ KERNELS = {
     "inflight.ops.triton.rope": ["_rope_kernel"],
     "inflight.ops.triton.gguf_gemm": ["_gguf_gemv_kernel", "_gguf_gemm_kernel", "_gguf_embedding_kernel"],
     "inflight.ops.triton.lora": ["_lora_shrink_kernel", "_lora_expand_kernel"],
+    "inflight.ops.triton.fused_moe": ["_fused_moe_kernel"],
 }
 # Triton's launch defaults (CUDAOptions) when a launch does not name them.
 DEFAULT_NUM_WARPS, DEFAULT_NUM_STAGES = 4, 3
@@ -297,6 +298,37 @@ def capture_lora_launches(dtype: str) -> LaunchLog:
     return log
 
 
+def moe_capture_configs(dtype: str) -> list:
+    """Every block-size config `fused_moe.get_config` can pick for `dtype`, on any device."""
+    from inflight.ops.triton import fused_moe
+
+    if dtype == "float32":
+        return [fused_moe.FP32_CONFIG]
+    return list(dict.fromkeys([fused_moe.DEFAULT_CONFIG, *fused_moe.CONFIGS.values()]))
+
+
+def capture_moe_launches(dtype: str) -> LaunchLog:
+    """The fused-MoE kernel's two GEMMs (gate/up, and down with the routing weight) with every config the
+    table holds for `dtype`. The kernel specializes on no per-step value (token count, top-k, M-blocks), so one
+    small layer per config gives every binary; its sizes are 16-divisible, as real models' are."""
+    import torch
+
+    from inflight.ops import reference
+    from inflight.ops.triton import fused_moe
+
+    gen = torch.Generator().manual_seed(0)
+    num_experts, top_k, hidden, inter, tokens = 4, 2, 64, 32, 5
+    torch_dtype = getattr(torch, dtype)
+    w13 = torch.randn(num_experts, 2 * inter, hidden, generator=gen).to(torch_dtype)
+    w2 = torch.randn(num_experts, hidden, inter, generator=gen).to(torch_dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch_dtype)
+    topk_weights, topk_ids = reference.select_experts(torch.randn(tokens, num_experts, generator=gen), top_k, True)
+    with record_launches() as log:
+        for config in moe_capture_configs(dtype):
+            fused_moe.fused_moe(x, w13, w2, topk_weights, topk_ids, config)
+    return log
+
+
 def with_merge_widths(specs: list[Launch]) -> list[Launch]:
     """Adds the merge kernel for every split count the engine can pick (SPLITS_PAD = next power of
     two of 2..MAX_SPLITS): which one a step takes depends on batch size and context length."""
@@ -308,6 +340,17 @@ def with_merge_widths(specs: list[Launch]) -> list[Launch]:
             continue
         for pad in (2**i for i in range(1, (MAX_SPLITS - 1).bit_length() + 1)):
             params = [[n, k, pad if n == "SPLITS_PAD" else a] for n, k, a in spec.params]
+            out.append(Launch(spec.kernel, params, spec.num_warps, spec.num_stages, spec.grid, list(spec.tags)))
+    return out
+
+
+def with_sliding_window(specs: list[Launch]) -> list[Launch]:
+    """Adds each attention launch's sliding-window twin (SLIDING=True): a model with a window launches the
+    same shapes with that binary; the window itself is a runtime argument that is not specialized."""
+    out = list(specs)
+    for spec in specs:
+        if spec.kernel.endswith(":_unified_attention_kernel"):
+            params = [[n, k, True if n == "SLIDING" else a] for n, k, a in spec.params]
             out.append(Launch(spec.kernel, params, spec.num_warps, spec.num_stages, spec.grid, list(spec.tags)))
     return out
 
@@ -337,10 +380,11 @@ def as_dtype(spec: Launch, src: str, dst: str) -> Launch:
     return Launch(spec.kernel, params, spec.num_warps, spec.num_stages, spec.grid, tags)
 
 
-# The GGUF and LoRA kernels' runs (tagged "gguf/<dtype>", "lora/<dtype>"), bfloat16 derived from float16 as
-# for the engine runs.
+# The GGUF, LoRA and MoE kernels' runs (tagged "gguf/<dtype>", "lora/<dtype>", "moe/<dtype>"), bfloat16
+# derived from float16 as for the engine runs.
 GGUF_CAPTURE_DTYPES = ["float32", "float16"]
 LORA_CAPTURE_DTYPES = ["float32", "float16"]
+MOE_CAPTURE_DTYPES = ["float32", "float16"]
 
 # (checkpoint, dtype) runs: the demo model in float32 (its checkpoint dtype, what `make serve` runs on
 # a GPU) and float16; the real geometries in float16. bfloat16 is derived from float16 (the
@@ -349,25 +393,32 @@ CAPTURE_RUNS = [("demo", "float32"), ("demo", "float16"), ("llama3_8b", "float16
 
 
 def capture_all(work_dir: str | Path, demo_dir: str | Path | None = None) -> tuple[list[Launch], dict[str, LaunchLog]]:
-    """Every specialization of CAPTURE_RUNS, GGUF_CAPTURE_DTYPES and LORA_CAPTURE_DTYPES plus their bf16
-    twins, tagged "<model>/<dtype>", and each run's launch log."""
+    """Every specialization of CAPTURE_RUNS, GGUF_CAPTURE_DTYPES, LORA_CAPTURE_DTYPES and MOE_CAPTURE_DTYPES plus
+    their bf16 twins (and the attention's sliding-window twins), tagged "<model>/<dtype>", and each run's launch log."""
     from inflight.demo_model import ensure_demo_model
 
     work = Path(work_dir)
     demo = Path(demo_dir) if demo_dir else ensure_demo_model(work / "demo")
     specs: dict[str, Launch] = {}
     logs: dict[str, LaunchLog] = {}
-    runs = CAPTURE_RUNS + [("gguf", d) for d in GGUF_CAPTURE_DTYPES] + [("lora", d) for d in LORA_CAPTURE_DTYPES]
+    runs = (
+        CAPTURE_RUNS
+        + [("gguf", d) for d in GGUF_CAPTURE_DTYPES]
+        + [("lora", d) for d in LORA_CAPTURE_DTYPES]
+        + [("moe", d) for d in MOE_CAPTURE_DTYPES]
+    )
     for model, dtype in runs:
         short = {"float32": "fp32", "float16": "fp16"}[dtype]
         if model == "gguf":
             log = logs[f"{model}/{short}"] = capture_gguf_launches(dtype)
         elif model == "lora":
             log = logs[f"{model}/{short}"] = capture_lora_launches(dtype)
+        elif model == "moe":
+            log = logs[f"{model}/{short}"] = capture_moe_launches(dtype)
         else:
             model_dir = geometry_checkpoint(model, demo, work / f"1layer-{model}")
             log = logs[f"{model}/{short}"] = capture_engine_launches(model_dir, dtype)
-        runs = [unique_specs(with_merge_widths(log.launches), f"{model}/{short}")]
+        runs = [unique_specs(with_sliding_window(with_merge_widths(log.launches)), f"{model}/{short}")]
         if short == "fp16":
             runs.append([as_dtype(s, "fp16", "bf16") for s in runs[0]])
         for spec in (s for run in runs for s in run):

@@ -1,7 +1,7 @@
 """Every kernel specialization the engine launches compiles for sm_80 and sm_90, on this CPU machine.
 
 The launches are recorded from interpreter runs of the engine through the Triton backend (the demo
-model and two real attention geometries) and of the GGUF and LoRA ops called directly, by
+model and two real attention geometries) and of the GGUF, LoRA and MoE ops called directly, by
 `tools.kernel_launches`; each is compiled by ptxas for both targets by `tools.kernel_resources` in a
 process without the interpreter and must fit the target's shared memory per block. Both tools run as
 subprocesses, as a developer runs them.
@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNELS = {"_unified_attention_kernel", "_merge_kernel", "_kv_write_kernel", "_rms_norm_kernel", "_rope_kernel"}
 GGUF_KERNELS = {"_gguf_gemv_kernel", "_gguf_gemm_kernel", "_gguf_embedding_kernel"}
 LORA_KERNELS = {"_lora_shrink_kernel", "_lora_expand_kernel"}
+MOE_KERNELS = {"_fused_moe_kernel"}
 GEOMETRIES = ("llama3_8b", "qwen2_hd80")  # tools.kernel_launches.GEOMETRIES
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}  # shared memory per block, bytes
 # On a GPU machine the kernel tests run every kernel for real; this check is for machines without one.
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.skipif(
 RUNS = {"demo/fp32", "demo/fp16", "demo/bf16"} | {f"{g}/{d}" for g in GEOMETRIES for d in ("fp16", "bf16")}
 GGUF_RUNS = {"gguf/fp32", "gguf/fp16", "gguf/bf16"}  # tools.kernel_launches.capture_gguf_launches
 LORA_RUNS = {"lora/fp32", "lora/fp16", "lora/bf16"}  # tools.kernel_launches.capture_lora_launches
+MOE_RUNS = {"moe/fp32", "moe/fp16", "moe/bf16"}  # tools.kernel_launches.capture_moe_launches
 
 
 def run_tool(args: list[str], interpret: bool) -> subprocess.CompletedProcess:
@@ -78,16 +80,38 @@ def test_every_jit_kernel_is_recorded(captured):
 
 def test_capture_sees_every_kernel_path(captured):
     specs = captured[1]
-    assert {s["kernel"].split(":")[1] for s in specs} == KERNELS | GGUF_KERNELS | LORA_KERNELS
-    assert {t for s in specs for t in s["tags"]} == RUNS | GGUF_RUNS | LORA_RUNS
+    assert {s["kernel"].split(":")[1] for s in specs} == KERNELS | GGUF_KERNELS | LORA_KERNELS | MOE_KERNELS
+    assert {t for s in specs for t in s["tags"]} == RUNS | GGUF_RUNS | LORA_RUNS | MOE_RUNS
     for run in RUNS:
         attention = [
             constexprs(s) for s in specs if run in s["tags"] and s["kernel"].endswith("_unified_attention_kernel")
         ]
         # prefill tiles, decode tiles, split-K decode tiles: one binary each, whatever the batch
-        # (no specialization on a value that changes from step to step, e.g. the block-table width)
-        kinds = sorted((c["BLOCK_Q"] * c["GROUP_PAD"], c["SPLIT"]) for c in attention)
-        assert kinds == [(DECODE_BLOCK_M, False), (DECODE_BLOCK_M, True), (PREFILL_BLOCK_M, False)], (run, attention)
+        # (no specialization on a value that changes from step to step, e.g. the block-table width or the
+        # window), each with its sliding-window twin
+        kinds = sorted((c["BLOCK_Q"] * c["GROUP_PAD"], c["SPLIT"], c["SLIDING"]) for c in attention)
+        tiles = [(DECODE_BLOCK_M, False), (DECODE_BLOCK_M, True), (PREFILL_BLOCK_M, False)]
+        assert kinds == [(*t, sliding) for t in tiles for sliding in (False, True)], (run, attention)
+
+
+def test_the_sliding_window_twin_is_what_a_windowed_launch_records():
+    """`with_sliding_window` derives the windowed binaries from the engine's runs: a windowed launch (decode
+    and prefill tiles, any window) records exactly the twin of the same launch without one."""
+    from kernel_batches import make_batch
+
+    from inflight.ops.triton.paged_attention import paged_attention, plan_attention
+    from tools.kernel_launches import record_launches, with_sliding_window
+
+    batch = make_batch([(20, 1), (0, 17)], 8, 2, 64, 16)
+    plan = plan_attention(batch.query_start_loc_np, batch.seq_lens_np, 8, 2, batch.query.device, num_splits=1)
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
+    with record_launches() as log:
+        for window in (None, 5, 16):
+            paged_attention(*args, 0.125, plan, window)
+    plain, *windowed = (log.launches[i : i + 2] for i in range(0, 6, 2))  # decode and prefill launches each
+    twins = [s.spec_key() for s in with_sliding_window(plain)[2:]]
+    assert [s.spec_key() for s in plain] != twins
+    assert all([s.spec_key() for s in launches] == twins for launches in windowed)
 
 
 def test_every_gguf_format_is_captured_in_every_dtype(captured):
@@ -115,6 +139,27 @@ def test_every_lora_row_tile_is_captured_in_every_dtype(captured):
     }
     tiles = (DECODE_BLOCK_M, PREFILL_BLOCK_M)
     assert seen == {(k, m, run) for k in LORA_KERNELS for m in tiles for run in LORA_RUNS}
+
+
+def test_every_moe_config_is_captured_in_every_dtype(captured):
+    """Both GEMMs (with and without the routing weight) of every config `get_config` can pick, per dtype."""
+    from tools.kernel_launches import moe_capture_configs
+
+    def key(spec: dict) -> tuple:
+        c = constexprs(spec)
+        tile = (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["GROUP_M"], spec["num_warps"], spec["num_stages"])
+        return (*tile, c["MUL_ROUTED_WEIGHT"])
+
+    seen = {(tag, *key(s)) for s in captured[1] if s["kernel"].split(":")[1] in MOE_KERNELS for tag in s["tags"]}
+    dtypes = {"moe/fp32": "float32", "moe/fp16": "float16", "moe/bf16": "bfloat16"}
+    configs = {run: moe_capture_configs(dtype) for run, dtype in dtypes.items()}
+    assert len(configs["moe/fp16"]) > 1  # the default and the table's entries
+    assert seen == {
+        (run, c.block_m, c.block_n, c.block_k, c.group_m, c.num_warps, c.num_stages, weighted)
+        for run, cs in configs.items()
+        for c in cs
+        for weighted in (False, True)
+    }
 
 
 def test_every_launched_specialization_compiles_for_sm80_and_sm90(captured, tmp_path):

@@ -37,10 +37,10 @@ class RegisteredAdapter:
 
 class LoRAManager:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig) -> None:
-        if type(model) is not LlamaForCausalLM:  # adapters sit on the dense projections of the Llama decoder
+        if not all(hasattr(layer.mlp, "gate_up_proj") for layer in model.model.layers):  # experts take none
             raise ConfigError(
-                f"enable_lora: LoRA adapters are not supported on {model_config.architecture}; supported: the "
-                "dense Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)"
+                f"enable_lora: LoRA adapters are not supported on {model_config.architecture} (a Mixture-of-Experts "
+                "model); supported: models whose every MLP is dense"
             )
         self.model, self.model_config = model, model_config
         self.max_loras, self.max_rank = config.max_loras, config.max_lora_rank

@@ -147,7 +147,7 @@ def _layer_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | N
     if arch.startswith("Qwen"):
         if not cfg.get("use_sliding_window", False):
             return (None,) * layers
-        first = cfg.get("max_window_layers", layers)
+        first = cfg.get("max_window_layers", 28)  # HF Qwen2Config's default
         return tuple(int(window) if i >= first else None for i in range(layers))
     return (int(window),) * layers
 

@@ -19,6 +19,7 @@ MODELS: dict[str, tuple[str, str]] = {
     "OlmoeForCausalLM": ("inflight.models.moe", "MoEForCausalLM"),
     "Qwen2MoeForCausalLM": ("inflight.models.moe", "MoEForCausalLM"),
     "Qwen3MoeForCausalLM": ("inflight.models.moe", "MoEForCausalLM"),
+    "Gemma3ForCausalLM": ("inflight.models.gemma3", "Gemma3ForCausalLM"),
 }
 
 
