@@ -179,3 +179,9 @@ def test_lora_adapters_change_the_logits_as_peft_does(gemma, tmp_path):
     assert (refs["r0"] - hf_logits(hf_model, ps[0] + tokens["r0"])).abs().max() > 0.05, "the adapter must matter"
     for rid, positions, logits in captured:
         torch.testing.assert_close(logits, refs[rid][positions], atol=2e-4, rtol=1e-4)
+
+
+def test_bf16_a_request_gets_the_same_logits_alone_and_in_a_chunked_batch_past_the_window(gemma):
+    from helpers.families import assert_bf16_batch_invariant
+
+    assert_bf16_batch_invariant(gemma[0], prompts(5, seed=3, lo=20, hi=40), max_tokens=16)

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from helpers import capture_logits, hf_greedy, hf_logits
-from helpers.families import MOE_FAMILIES, VOCAB, write_family
+from helpers.families import MOE_FAMILIES, VOCAB, assert_bf16_batch_invariant, write_family
 
 from inflight import LLM, SamplingParams
 from inflight.config import ConfigError, EngineConfig
@@ -117,23 +117,7 @@ def test_greedy_matches_hf_with_prefix_hits_and_speculation(family):
 
 
 def test_bf16_a_request_gets_the_same_logits_alone_and_in_a_chunked_batch(family):
-    model_dir, _ = family
-    ps = prompts(6, seed=4)
-
-    def run(**args):
-        llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=64, block_size=8, **args)
-        captured = capture_logits(llm.engine)
-        outs = llm.generate(ps, GREEDY, use_tqdm=False)
-        index = {o.request_id: i for i, o in enumerate(outs)}
-        rows = {(index[rid], p): row for rid, pos, lg in captured for p, row in zip(pos, lg)}
-        return [o.token_ids for o in outs], rows
-
-    alone_tokens, alone = run(max_num_seqs=1)
-    mixed_tokens, mixed = run(max_num_seqs=6, max_num_batched_tokens=13)
-    assert mixed_tokens == alone_tokens
-    assert set(mixed) == set(alone)
-    differ = [k for k in alone if not torch.equal(alone[k], mixed[k])]
-    assert not differ, f"{len(differ)} of {len(alone)} positions differ"
+    assert_bf16_batch_invariant(family[0], prompts(6, seed=4))
 
 
 GGUF_ARCH = {"Qwen3MoeForCausalLM": "qwen3moe", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",

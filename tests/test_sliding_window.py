@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 from helpers import capture_logits, hf_logits
-from helpers.families import VOCAB, write_family
+from helpers.families import VOCAB, assert_bf16_batch_invariant, write_family
 
 from inflight.config import EngineConfig
 from inflight.engine.engine import LLMEngine
@@ -89,3 +89,7 @@ def test_blocks_behind_every_layers_window_go_back_to_the_pool(family):
         assert engine.block_manager.sliding_window is None
         assert most == -(-80 // 8)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_bf16_a_request_gets_the_same_logits_alone_and_in_a_chunked_batch_past_the_window(family):
+    assert_bf16_batch_invariant(family[0], prompts(5, seed=3, lo=24, hi=50), max_tokens=16)

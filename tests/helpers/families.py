@@ -144,3 +144,27 @@ def write_moe_gguf(path: Path, hf_model, arch: str, qtype=None) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def assert_bf16_batch_invariant(model_dir, prompts: list[list[int]], max_tokens: int = 12, **engine_args) -> None:
+    """bf16: every request's logits at every position, bit for bit, alone (one sequence a step) and in chunked
+    mixed batches; and so its greedy tokens."""
+    from helpers import capture_logits
+    from inflight import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    def run(**args):
+        llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=64, block_size=8, **(engine_args | args))
+        captured = capture_logits(llm.engine)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        index = {o.request_id: i for i, o in enumerate(outs)}
+        rows = {(index[rid], p): row for rid, pos, lg in captured for p, row in zip(pos, lg)}
+        return [o.token_ids for o in outs], rows
+
+    alone_tokens, alone = run(max_num_seqs=1)
+    mixed_tokens, mixed = run(max_num_seqs=len(prompts), max_num_batched_tokens=13)
+    assert mixed_tokens == alone_tokens
+    assert set(mixed) == set(alone)
+    differ = [k for k in alone if not torch.equal(alone[k], mixed[k])]
+    assert not differ, f"{len(differ)} of {len(alone)} positions differ"
