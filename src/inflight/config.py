@@ -215,6 +215,8 @@ class EngineConfig:
     kv_reservation: str = "paged"
     attention_backend: str = "auto"
     enforce_eager: bool = False  # GPU: launch every step's kernels from Python instead of replaying CUDA graphs
+    # Ranks one model is split over (vLLM's name): GPUs from `device` on, or processes sharing this host's cores
+    tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True  # reuse the KV of shared prompt prefixes (hashed full blocks)
     seed: int = 0  # draws the seeds of requests that bring none
     # vLLM's kv_events_config (a dict or its JSON text): publish the prefix cache's changes for KV-aware routers
@@ -253,6 +255,7 @@ class EngineConfig:
 
         check(self.max_num_seqs >= 1, "max_num_seqs", ">= 1")
         check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1")
+        check(self.tensor_parallel_size >= 1, "tensor_parallel_size", ">= 1")
         check(self.block_size in (8, 16, 32, 64, 128), "block_size", "one of 8, 16, 32, 64, 128")
         check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", ">= 1")
         check(
@@ -318,6 +321,11 @@ class EngineConfig:
             raise ConfigError('lora_modules must map adapter names to adapter directories: {"name": "/path", ...}')
         if modules and not self.enable_lora:
             raise ConfigError(f"lora_modules names {len(modules)} adapter(s) but enable_lora is off")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"enable_lora with tensor_parallel_size={self.tensor_parallel_size} is not supported (adapters are not "
+                "split across ranks): use tensor_parallel_size=1, or turn enable_lora off"
+            )
         self.lora_modules = modules
 
     def _check_interpreted_dtype(self, dtype: torch.dtype) -> None:

@@ -35,6 +35,11 @@ class InvalidRequestError(ValueError):
         self.kind = ErrorKind(kind)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step (a tensor-parallel rank died, or the ranks fell out of step): no
+    request's fault, nothing to retry in this process (vLLM's name)."""
+
+
 @dataclass(frozen=True)
 class TaggedError:
     kind: ErrorKind

@@ -9,7 +9,9 @@ EOS, stop tokens and grammars make); text and stop strings are the front's, whic
 string ended. A step that fails fails the requests in flight; an engine that cannot recover says `Broken`
 and answers every later request with an error. The core exits when its parent (Triton's stub) goes away:
 it checks its parent pid every iteration and while it waits (PR_SET_PDEATHSIG would fire when the *thread*
-that started it ends, and a restart starts it from the responder thread).
+that started it ends, and a restart starts it from the responder thread). With tensor parallelism the core is
+rank 0 and its worker ranks are its children: a rank that dies is the core's death (it exits at once, and the
+front restarts it with new ranks); the ranks exit when the core does.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import zmq
 from inflight.config import EngineConfig
 from inflight.engine import core_messages
 from inflight.engine.stats import EngineSnapshot, IterationStats, SchedulerStats
-from inflight.errors import ErrorKind, InvalidRequestError
+from inflight.errors import EngineDeadError, ErrorKind, InvalidRequestError
 from inflight.log import setup as log_setup
 from inflight.lora_request import LoRARequest
 
@@ -82,6 +84,7 @@ class EngineCore:
         module, _, name = spec.engine_class.partition(":")
         engine_cls = getattr(importlib.import_module(module), name)
         self.engine = engine_cls(spec.model_dir, spec.config)  # token ids out: the front detokenizes
+        self.engine.on_rank_failure(self.rank_failed)
         release_load_memory()  # the core's resident size is then what the engine holds
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
@@ -120,6 +123,11 @@ class EngineCore:
                 return
             except zmq.Again:
                 self.exit_if_orphaned()
+
+    def rank_failed(self, reason: str) -> None:
+        """A tensor-parallel rank died (or the ranks fell out of step): the core exits, its front restarts it."""
+        log.error("%s; the engine core exits", reason)
+        os._exit(1)
 
     def exit_if_orphaned(self) -> None:
         if os.getppid() != self.parent_pid:  # the stub died (we were re-parented): nobody to serve
@@ -196,6 +204,8 @@ class EngineCore:
         steps_before = self.engine.num_steps
         try:
             outputs = self.engine.step()
+        except EngineDeadError as e:
+            self.rank_failed(str(e))
         except Exception as e:
             return self.recover(e)
         self.stats_sent = False

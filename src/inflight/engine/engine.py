@@ -38,12 +38,14 @@ from inflight.engine.validation import (
 from inflight.errors import InvalidRequestError
 from inflight.executor.model_runner import ModelRunner
 from inflight.executor.sampler import Sampler
+from inflight.executor.tensor_parallel import TensorParallelWorkers
 from inflight.limits import default_max_prompt_bytes, resolve_max_model_len
 from inflight.lora_request import LoRARequest
-from inflight.model_source import resolve_model
+from inflight.model_source import find_gguf, resolve_model
 from inflight.models.config import ModelConfig, config_errors
-from inflight.models.loader import load_model, load_tokenizer, weight_bytes
+from inflight.models.loader import check_tensor_parallel, load_model, load_tokenizer, weight_bytes
 from inflight.models.lora import AdapterError
+from inflight.models.parallel import SINGLE
 from inflight.ops import dtype_probe
 from inflight.outputs import RequestOutput, TokenLogprob
 from inflight.sampling_params import SamplingParams
@@ -75,7 +77,18 @@ class LLMEngine:
         ckpt = ModelConfig.load(model_dir)
         self.dtype, why = config.resolve_dtype(ckpt.torch_dtype, bf16_probe(ckpt))
         logger.info("dtype %s on %s (%s)", str(self.dtype).removeprefix("torch."), self.device, why)
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, config.weight_format)
+        # Tensor parallel: ranks 1..N-1 load their shards while this process, rank 0, loads its own
+        self.workers: TensorParallelWorkers | None = None
+        tp = SINGLE
+        if config.tensor_parallel_size > 1:
+            with config_errors():
+                packed_gguf = config.weight_format == "packed" and find_gguf(model_dir) is not None
+            check_tensor_parallel(ckpt, config.tensor_parallel_size, packed_gguf)
+            self.workers = TensorParallelWorkers(model_dir, config, self.dtype)
+            tp = self.workers.tp
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device, config.weight_format, tp)
+        if self.workers is not None:
+            self.workers.join()
         self.model_weight_bytes = weight_bytes(self.model)
         logger.info("model weights: %.1f MiB", self.model_weight_bytes / 2**20)
         self.model_dir = model_dir
@@ -119,18 +132,26 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config, self.block_manager, self.max_model_len, self.eos_token_ids, self.structured_outputs
         )
-        self.runner = ModelRunner(
-            self.model,
-            self.num_kv_blocks,
-            block_size,
-            self.max_model_len,
-            self.dtype,
-            self.device,
-            config.resolved_attention_backend(),
+        runner_args = dict(
+            num_blocks=self.num_kv_blocks,
+            block_size=block_size,
+            max_model_len=self.max_model_len,
+            attention_backend=config.resolved_attention_backend(),
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enforce_eager=config.enforce_eager,
         )
+        workers = self.workers
+        self.runner = ModelRunner(
+            self.model,
+            dtype=self.dtype,
+            device=self.device,
+            workers=workers,
+            num_threads=workers.num_threads if workers is not None else None,
+            **runner_args,
+        )
+        if workers is not None:
+            workers.start_runners(runner_args)  # the workers' runners, as this one
         self.sampler = Sampler(mc.vocab_size, sorted(self.eos_token_ids))
         self._rng = random.Random(config.seed)
         self._seqs: dict[str, Sequence] = {}
@@ -145,7 +166,9 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        per_block = ModelRunner.kv_bytes_per_block(self.model_config, cfg.block_size, self.dtype)
+        per_block = ModelRunner.kv_bytes_per_block(
+            self.model_config, cfg.block_size, self.dtype, cfg.tensor_parallel_size
+        )
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         else:
@@ -260,11 +283,19 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def close(self) -> None:
-        """Release the threads the engine started (the grammar compile pool) and the KV events socket; call
-        once it no longer steps."""
+        """Release the threads the engine started (the grammar compile pool), the KV events socket and the
+        tensor-parallel worker processes; call once it no longer steps."""
         self.structured_outputs.close()
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.workers is not None:
+            self.workers.close()
+
+    def on_rank_failure(self, callback: Callable[[str], None]) -> None:
+        """Tensor parallel: `callback(reason)` runs, on a watching thread, as soon as a worker rank dies (the engine
+        cannot step again: its next step raises EngineDeadError). Nothing to watch with one rank."""
+        if self.workers is not None:
+            self.workers.on_failure = callback
 
     @property
     def spec_decode_counters(self) -> dict[str, int | tuple[int, ...]]:
@@ -287,6 +318,7 @@ class LLMEngine:
             prefix_cache_hits=self.scheduler.prefix_cache_hits,
             max_num_seqs=self.config.max_num_seqs,
             last_step=self.last_step_stats,
+            grammar_cache_bytes=self.structured_outputs.pool.cache_bytes,
             **self.spec_decode_counters,
             **self._lora_stats(),
         )

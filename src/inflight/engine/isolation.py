@@ -11,6 +11,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+from inflight.errors import EngineDeadError
+
 if TYPE_CHECKING:
     from inflight.engine.scheduler import SchedulerOutput
     from inflight.engine.sequence import Sequence
@@ -28,6 +30,8 @@ def run_isolating(
     change no engine state before it returns."""
     try:
         return [(sched, run(sched))], []
+    except EngineDeadError:  # the engine's death: nothing to isolate, no part can run
+        raise
     except Exception as error:
         if len(sched.seqs) == 1:
             return [], [(sched.seqs[0], error)]

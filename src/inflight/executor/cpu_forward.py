@@ -75,6 +75,8 @@ class CpuForward:
             return False
         if type(model) is not LlamaForCausalLM or model.cfg.qk_norm == "projection":  # dense, per-head norms only
             return False
+        if model.tp.size > 1:  # one call a step leaves no place for the ranks' all-reduces
+            return False
         dtype = model.model.norm.weight.dtype
         for layer in model.model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)

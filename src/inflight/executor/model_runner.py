@@ -2,7 +2,9 @@
 
 The step's tensors come from the persistent input batch (`input_batch.py`), updated by diff each step.
 Write-then-read: each layer first scatters the step's new K/V into the paged cache at
-`slot_mapping`, then attention reads every context token through `block_tables`.
+`slot_mapping`, then attention reads every context token through `block_tables`. With tensor parallelism this
+is rank 0's runner: it sends each step to the worker ranks (executor/tensor_parallel.py), whose runners run the
+same `run_model`.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from inflight.executor.input_batch import BatchInputs, InputBatch
 from inflight.executor.sampler import SamplingMetadata
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.packed_linear import PackedLinear
+from inflight.models.parallel import TensorParallel
 
 if TYPE_CHECKING:
     from inflight.executor.scheduled import ScheduledStep
+    from inflight.executor.tensor_parallel import TensorParallelWorkers
 
 
 @dataclass
@@ -104,14 +108,21 @@ class ModelRunner:
         max_num_seqs: int = 256,
         max_num_batched_tokens: int = 8192,
         enforce_eager: bool = False,
+        workers: TensorParallelWorkers | None = None,
+        num_threads: int | None = None,
     ) -> None:
+        """`workers`: the tensor-parallel ranks this runner (rank 0's) sends each step to; `num_threads`: the
+        forward's torch threads (default: the process's)."""
         cfg = model.cfg
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.workers = workers
         self.ops = get_backend(attention_backend, device)
         model.init_rope(max_model_len, device)
-        shape = (num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        tensor_parallel = model.tp.size > 1
+        # This rank's KV heads (all of them on one rank)
+        shape = (num_blocks, block_size, model.model.layers[0].self_attn.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(cfg.num_hidden_layers)
@@ -120,9 +131,9 @@ class ModelRunner:
         self.cpu_forward = CpuForward(model, self.kv_caches) if CpuForward.supported(model, self.ops) else None
         self.input_batch = InputBatch(max_num_seqs, max_model_len, max_num_batched_tokens, block_size, device)
         # Steps replayed from CUDA graphs where the kernels are compiled (not under the interpreter): decode
-        # steps whole, the others in pieces around attention.
+        # steps whole, the others in pieces around attention; not with several ranks (none around collectives yet).
         self.cuda_graphs = self.piecewise_graphs = None
-        if device.type == "cuda" and attention_backend == "triton" and not enforce_eager:
+        if device.type == "cuda" and attention_backend == "triton" and not enforce_eager and not tensor_parallel:
             max_blocks = self.input_batch.block_table.cpu.shape[1]
             max_decode = min(max_num_seqs, max_num_batched_tokens)
             self.cuda_graphs = CudaGraphRunner(model, self.kv_caches, self.ops, max_decode, max_blocks, device)
@@ -131,7 +142,7 @@ class ModelRunner:
                 model, self.kv_caches, self.ops, max_num_batched_tokens, device, pool=self.cuda_graphs.pool
             )
             self.piecewise_graphs.capture_all()
-        self.max_threads = torch.get_num_threads()
+        self.max_threads = num_threads or torch.get_num_threads()
         passive = omp.threads_sleep()
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
         packed = sum(m.in_features * m.out_features for m in layer.modules() if isinstance(m, PackedLinear))
@@ -150,9 +161,11 @@ class ModelRunner:
         self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens, explore_every) if adaptive else None
 
     @staticmethod
-    def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype) -> int:
+    def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:
+        """One block's K and V over every layer, of the heads one rank holds."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_cfg.num_hidden_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * elem
+        kv_heads, _ = TensorParallel(0, tensor_parallel_size).kv_heads(model_cfg.num_key_value_heads)
+        return 2 * model_cfg.num_hidden_layers * block_size * kv_heads * model_cfg.head_dim * elem
 
     def prepare(self, sched: ScheduledStep) -> BatchInputs:
         return self.input_batch.prepare(sched.seqs, sched.num_scheduled_tokens, sched.spec_token_ids, sched.lora_slots)
@@ -169,37 +182,47 @@ class ModelRunner:
             return self.piecewise_graphs.run(input_ids, positions, meta)
         return self.model(input_ids, positions, meta, self.kv_caches, self.ops)
 
+    def run_model(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logit_rows: np.ndarray
+    ) -> torch.Tensor | None:
+        """The forward, then the logits of its output rows `logit_rows` (None on a tensor-parallel worker rank)."""
+        hidden = self.forward(input_ids, positions, meta)
+        # A decode step samples every row in order: no gather.
+        if len(logit_rows) != len(hidden) or not np.array_equal(logit_rows, np.arange(len(hidden))):
+            hidden = hidden[torch.from_numpy(logit_rows).to(self.device)]
+        return self.model.compute_logits(hidden)
+
     @torch.inference_mode()
     def execute(self, sched: ScheduledStep) -> ModelOutput:
         inputs = self.prepare(sched)
         meta, sample_rows = inputs.attn_metadata, inputs.sample_rows
+        last = meta.query_start_loc_np[1:][sample_rows] - 1
+        spec = inputs.num_spec_tokens
+        offsets = None
+        if spec is not None:  # a verifying row's logits at its last d+1 positions
+            counts = spec + 1
+            starts = np.cumsum(counts) - counts
+            offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
+            last = np.repeat(last - spec, counts) + offsets
         # The thread count is process-wide: put it back after the forward, so that nothing else (the
-        # sampler, another engine in this process, the caller's own torch work) inherits one thread.
+        # sampler, another engine in this process, the caller's own torch work) inherits another count.
         tokens = len(inputs.input_ids)
         threads = self.threads.choose(tokens) if self.threads and tokens else self.max_threads
-        if threads != self.max_threads:
+        previous = torch.get_num_threads()
+        if threads != previous:
             torch.set_num_threads(threads)
         try:
             t0 = time.perf_counter()
-            hidden = self.forward(inputs.input_ids, inputs.positions, meta)
-            last = meta.query_start_loc_np[1:][sample_rows] - 1
-            spec = inputs.num_spec_tokens
-            offsets = None
-            if spec is not None:  # a verifying row's logits at its last d+1 positions
-                counts = spec + 1
-                starts = np.cumsum(counts) - counts
-                offsets = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(starts, counts)
-                last = np.repeat(last - spec, counts) + offsets
-            # A decode step samples every row in order: no gather.
-            if len(last) != len(hidden) or not np.array_equal(last, np.arange(len(hidden))):
-                hidden = hidden[torch.from_numpy(last).to(self.device)]
-            logits = self.model.compute_logits(hidden)
+            if self.workers is None:
+                logits = self.run_model(inputs.input_ids, inputs.positions, meta, last)
+            else:
+                logits = self.workers.run(self.run_model, inputs.input_ids, inputs.positions, meta, last)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             forward_time = time.perf_counter() - t0
         finally:
-            if threads != self.max_threads:
-                torch.set_num_threads(self.max_threads)
+            if threads != previous:
+                torch.set_num_threads(previous)
         if self.threads and tokens:
             self.threads.record(tokens, threads, forward_time)
         rows = sample_rows if spec is None else np.repeat(sample_rows, spec + 1)

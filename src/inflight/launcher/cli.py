@@ -40,6 +40,8 @@ _HELP = {
     "seed": "seed for requests that bring none",
     "enable_prefix_caching": "reuse the KV cache of shared prompt prefixes (default: on)",
     "enforce_eager": "GPU: launch every step's kernels one by one instead of replaying CUDA graphs (default: off)",
+    "tensor_parallel_size": "ranks the model is split over: GPUs from --device on, or CPU processes sharing the "
+    "host's cores (default: 1)",
     "speculative_config": 'speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
     '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "suffix", "num_speculative_tokens": 8}\' '
     "(default: off)",

@@ -20,6 +20,13 @@ from torch import nn
 from inflight.config import ConfigError
 from inflight.models.config import ModelConfig
 from inflight.models.llama import MLP, Attention, RMSNormWeight, StepMetadata, _with_lora
+from inflight.models.parallel import (
+    SINGLE,
+    ParallelLMHead,
+    RowParallelLinear,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 LOCAL, GLOBAL = "sliding_attention", "full_attention"
 
@@ -91,14 +98,15 @@ class Gemma3Attention(Attention):
     """Llama's attention (its per-head q/k norm path, the layer's sliding window) with Gemma's scale; `kind`
     picks the layer's RoPE table."""
 
-    def __init__(self, cfg: ModelConfig, gemma: Gemma3Config, layer: int) -> None:
-        super().__init__(cfg, layer)
+    def __init__(self, cfg: ModelConfig, gemma: Gemma3Config, layer: int, tp: TensorParallel = SINGLE) -> None:
+        super().__init__(cfg, layer, tp)
         d = cfg.head_dim
         self.q_norm = RMSNormWeight(d, cfg.rms_norm_eps)
         self.k_norm = RMSNormWeight(d, cfg.rms_norm_eps)
         self.qk_norm = "head"
         if cfg.attention_bias:  # Gemma's o_proj follows attention_bias too
-            self.o_proj = nn.Linear(self.num_heads * d, cfg.hidden_size, bias=True)
+            columns = tp.split(cfg.num_attention_heads * d)
+            self.o_proj = RowParallelLinear(columns, cfg.hidden_size, bias=True, tp=tp)
         self.scale = gemma.query_pre_attn_scalar**-0.5
         self.kind = gemma.layer_types[layer]
 
@@ -108,15 +116,15 @@ class GeGLU(MLP):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, ops: Any) -> torch.Tensor:
         act = ops.gelu_tanh_and_mul(_with_lora(self.gate_up_proj(x), x, self.gate_up_lora, meta, ops))
-        return _with_lora(self.down_proj(act), act, self.down_lora, meta, ops)
+        return self.tp.all_reduce(_with_lora(self.down_proj(act), act, self.down_lora, meta, ops))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, gemma: Gemma3Config, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, gemma: Gemma3Config, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = Gemma3Attention(cfg, gemma, layer)
-        self.mlp = GeGLU(cfg)
+        self.self_attn = Gemma3Attention(cfg, gemma, layer, tp)
+        self.mlp = GeGLU(cfg, tp=tp)
         self.input_layernorm = RMSNormWeight(h, eps)
         self.post_attention_layernorm = RMSNormWeight(h, eps)
         self.pre_feedforward_layernorm = RMSNormWeight(h, eps)
@@ -124,25 +132,25 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, gemma: Gemma3Config) -> None:
+    def __init__(self, cfg: ModelConfig, gemma: Gemma3Config, tp: TensorParallel) -> None:
         super().__init__()
-        # Uninitialised: the loader assigns the checkpoint's (as llama.py's Backbone)
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
-        )
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, gemma, i) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, gemma, i, tp) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Gemma3ForCausalLM(nn.Module):
-    """`LlamaForCausalLM`'s interface (forward, compute_logits, init_rope, fuse_projections) for Gemma 3."""
+    """`LlamaForCausalLM`'s interface (forward, compute_logits, init_rope, fuse_projections, tp) for Gemma 3."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.tp = tp
         self.gemma = Gemma3Config.from_model_config(cfg)
-        self.model = Gemma3Backbone(cfg, self.gemma)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Gemma3Backbone(cfg, self.gemma, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -198,8 +206,10 @@ class Gemma3ForCausalLM(nn.Module):
         h, _ = ops.fused_add_rms_norm(h, residual, self.model.norm.weight, self.model.norm.eps)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        logits = self.tp.gather_logits(self.lm_head(hidden), self.cfg.vocab_size)
+        if logits is None:  # a tensor-parallel worker rank: rank 0 has them
+            return None
         cap = self.gemma.final_logit_softcapping
         if cap:  # in the activations' dtype, as HF does
             logits = torch.tanh(logits / cap) * cap

@@ -13,6 +13,7 @@ from __future__ import annotations
 import mmap
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -98,9 +99,11 @@ def read_tensors(
     dtype: torch.dtype,
     device,
     keep_packed: frozenset[str] | set[str] = frozenset(),
+    take: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor | GGUFWeight]:
     """Every tensor of the file under its HF name: those named in `keep_packed` as their blocks (`GGUFWeight`,
-    rows in HF order, on the CPU), the others dequantized, in `dtype` on `device`."""
+    rows in HF order, on the CPU), the others dequantized, in `dtype` on `device`. `take(name, tensor)`: the part
+    of a dequantized tensor to keep (a tensor-parallel rank's shard; not for experts)."""
     from gguf.quants import dequantize
 
     tensor_types(path)  # the checks above
@@ -130,7 +133,7 @@ def read_tensors(
         if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
             experts[t.name] = tensor
             continue
-        out[name] = tensor.to(device=device, dtype=dtype)
+        out[name] = (take(name, tensor) if take is not None else tensor).to(device=device, dtype=dtype)
     for gate_name, gate in experts.items():  # each layer's gate and up experts as one [E, 2I, H] stack
         if gate_name.endswith("ffn_gate_exps.weight"):
             up = experts[gate_name.replace("ffn_gate_exps", "ffn_up_exps")]

@@ -4,7 +4,8 @@ Mixture-of-Experts families share (models/moe.py gives each layer its own MLP).
 Module names mirror the HF checkpoints so loading is a strict name-for-name copy; after loading,
 `fuse_projections` stacks q/k/v and gate/up into one GEMM each (fewer, bigger ops). Every op that
 touches the paged cache, norms or RoPE goes through the attention backend (`ops`), the one seam
-between the torch reference and the Triton kernels.
+between the torch reference and the Triton kernels. Built with a `tp` (models/parallel.py), each rank holds
+its heads and MLP columns, and the layers' outputs are all-reduced; at one rank nothing differs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,15 @@ from torch import nn
 
 from inflight.models.config import ModelConfig
 from inflight.models.lora import LoRASlots
+from inflight.models.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    Shard,
+    TensorParallel,
+    VocabParallelEmbedding,
+)
 
 
 class StepMetadata(Protocol):
@@ -35,20 +45,21 @@ class RMSNormWeight(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         windows = cfg.layer_sliding_windows
         self.sliding_window = windows[layer] if windows else None  # keys older than this many tokens are masked
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        # This rank's heads: its rows of q/k/v and its columns of o_proj
+        self.num_heads, self.head_dim = cfg.num_attention_heads // tp.size, d
+        self.num_kv_heads, first_kv_head = tp.kv_heads(cfg.num_key_value_heads)
+        q_rows = tp.split(cfg.num_attention_heads * d)
+        kv_rows = Shard(0, first_kv_head * d, self.num_kv_heads * d, cfg.num_key_value_heads * d)
+        self.q_proj = ColumnParallelLinear(h, q_rows, bias=cfg.attention_bias)
+        self.k_proj = ColumnParallelLinear(h, kv_rows, bias=cfg.attention_bias)
+        self.v_proj = ColumnParallelLinear(h, kv_rows, bias=cfg.attention_bias)
+        self.o_proj = RowParallelLinear(q_rows, h, bias=False, tp=tp)
+        self.tp = tp
         if cfg.qk_norm:  # per head, or over the whole q and k projections (OLMoE)
             whole = cfg.qk_norm == "projection"
             self.q_norm = RMSNormWeight(self.num_heads * d if whole else d, cfg.rms_norm_eps)
@@ -89,16 +100,18 @@ class Attention(nn.Module):
                 q, k_cache, v_cache, meta, self.scale, key=k, value=v, sliding_window=self.sliding_window
             )
         out = out.reshape(t, self.num_heads * d)
-        return _with_lora(self.o_proj(out), out, self.o_lora, meta, ops)
+        return self.tp.all_reduce(_with_lora(self.o_proj(out), out, self.o_lora, meta, ops))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         h, i = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False)
-        self.up_proj = nn.Linear(h, i, bias=False)
-        self.down_proj = nn.Linear(i, h, bias=False)
+        columns = tp.split(i)  # this rank's share of the MLP's width
+        self.gate_proj = ColumnParallelLinear(h, columns, bias=False)
+        self.up_proj = ColumnParallelLinear(h, columns, bias=False)
+        self.down_proj = RowParallelLinear(columns, h, bias=False, tp=tp)
+        self.tp = tp
         self.gate_up_lora: LoRASlots | None = None
         self.down_lora: LoRASlots | None = None
 
@@ -110,44 +123,45 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, ops: Any) -> torch.Tensor:
         act = ops.silu_and_mul(_with_lora(self.gate_up_proj(x), x, self.gate_up_lora, meta, ops))
-        return _with_lora(self.down_proj(act), act, self.down_lora, meta, ops)
+        return self.tp.all_reduce(_with_lora(self.down_proj(act), act, self.down_lora, meta, ops))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, mlp: nn.Module, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.mlp = mlp
         self.input_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: ModelConfig, make_mlp: Callable[[ModelConfig, int], nn.Module]) -> None:
+    def __init__(
+        self, cfg: ModelConfig, make_mlp: Callable[[ModelConfig, int], nn.Module], tp: TensorParallel = SINGLE
+    ) -> None:
         super().__init__()
-        # An uninitialised weight: the loader assigns the checkpoint's (init's normal_ would import torch's compiler
-        # stack, tens of MB, into a process that never compiles)
-        self.embed_tokens = nn.Embedding(
-            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
-        )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, make_mlp(cfg, i)) for i in range(cfg.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        layers = (DecoderLayer(cfg, i, make_mlp(cfg, i), tp) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNormWeight(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    supports_tensor_parallel = True
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg, self.make_mlp)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = Backbone(cfg, self.make_mlp, tp)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @staticmethod
-    def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    def make_mlp(self, cfg: ModelConfig, layer: int) -> nn.Module:
         """Layer `layer`'s MLP (a dense SwiGLU here; an MoE family's router and experts)."""
-        return MLP(cfg)
+        return MLP(cfg, tp=self.tp)
 
     def fuse_projections(self) -> None:
         """Called once the HF-named weights are loaded; forward runs the fused layout only."""
@@ -183,8 +197,9 @@ class LlamaForCausalLM(nn.Module):
         h, _ = ops.fused_add_rms_norm(h, residual, self.model.norm.weight, self.model.norm.eps)
         return h
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[T, V] float32 logits (on rank 0; None on the other ranks of a tensor-parallel group)."""
+        return self.tp.gather_logits(self.lm_head(hidden).float(), self.cfg.vocab_size)
 
 
 def _with_lora(y: torch.Tensor, x: torch.Tensor, lora: LoRASlots | None, meta: StepMetadata, ops: Any) -> torch.Tensor:

@@ -22,6 +22,7 @@ from inflight.models.gguf_loader import FLOAT_TENSOR_TYPES, read_tensors, releas
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.moe import ExpertStacker, MoEForCausalLM
 from inflight.models.packed_linear import pack_linears
+from inflight.models.parallel import SINGLE, Shard, TensorParallel, check_sizes, local_part, shard_of
 from inflight.models.quantized import GGUFWeight, QuantizedEmbedding, QuantizedLinear, packed_kernel_available
 from inflight.models.registry import model_class
 from inflight.ops import cpu
@@ -63,10 +64,15 @@ WEIGHT_FORMATS = ("auto", "packed", "dequantized")
 
 
 def load_model(
-    model_dir: str | Path, dtype: torch.dtype, device: str | torch.device, weight_format: str = "auto"
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    weight_format: str = "auto",
+    tp: TensorParallel = SINGLE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """`weight_format` (GGUF files): `packed` keeps every quantized linear and embedding as its blocks (an error
-    names a tensor no kernel here computes), `dequantized` none, `auto` those a kernel computes on this device."""
+    names a tensor no kernel here computes), `dequantized` none, `auto` those a kernel computes on this device.
+    `tp`: this rank's shard only (models/parallel.py); a GGUF is dequantized, then sliced."""
     if weight_format not in WEIGHT_FORMATS:
         raise ConfigError(f"weight_format={weight_format!r} is invalid: must be one of {', '.join(WEIGHT_FORMATS)}")
     model_dir = Path(model_dir)
@@ -74,21 +80,28 @@ def load_model(
     with config_errors():
         gguf_file = find_gguf(model_dir)
     cfg = ModelConfig.load(model_dir)
+    cls = model_class(cfg.architecture)
+    if tp.size > 1:
+        check_tensor_parallel(cfg, tp.size, gguf_file is not None and weight_format == "packed")
     with torch.device("meta"):
-        model = model_class(cfg.architecture)(cfg)
+        model = cls(cfg, tp) if tp.size > 1 else cls(cfg)
     expected = dict(model.state_dict())
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight", None)
     packed: dict[str, GGUFWeight] = {}
     if gguf_file is not None:
-        keep = packed_groups(gguf_file.name, tensor_types(gguf_file), model, dtype, device, weight_format)
-        loaded = read_tensors(gguf_file, cfg.num_attention_heads, cfg.num_key_value_heads, dtype, device, keep)
+        source = "the GGUF metadata"
+        types = tensor_types(gguf_file)
+        keep = packed_groups(gguf_file.name, types, model, dtype, device, weight_format) if tp.size == 1 else set()
+        take = _shard_taker(model, expected, gguf_file.name, source) if tp.size > 1 else None
+        heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+        loaded = read_tensors(gguf_file, *heads, dtype, device, keep, take)
         for name, tensor in loaded.items():
-            _check_tensor(gguf_file.name, name, tensor, expected, cfg, "the GGUF metadata")
+            _check_tensor(gguf_file.name, name, tuple(tensor.shape), expected, cfg, source)
         packed = {name: w for name, w in loaded.items() if isinstance(w, GGUFWeight)}
         loaded = {name: t for name, t in loaded.items() if not isinstance(t, GGUFWeight)}
     else:
-        loaded = _read_safetensors(model_dir, model, expected, dtype, device)
+        loaded = _read_safetensors(model_dir, model, expected, dtype, device, sharded=tp.size > 1)
     missing = sorted(set(expected) - set(loaded) - set(packed))
     if missing:
         more = f" (+{len(missing) - 5} more)" if len(missing) > 5 else ""
@@ -108,6 +121,35 @@ def load_model(
     if gguf_file is not None and packed:
         release_file_pages(gguf_file)
     return model, cfg
+
+
+def check_tensor_parallel(cfg: ModelConfig, size: int, packed_gguf: bool) -> None:
+    """ConfigError unless `size` ranks can split this model (`packed_gguf`: weight_format='packed' on a GGUF)."""
+    if not getattr(model_class(cfg.architecture), "supports_tensor_parallel", False):
+        raise ConfigError(
+            f"tensor_parallel_size={size}: {cfg.architecture} is not split across ranks (the dense families are: "
+            "Llama, Mistral, Qwen2, Qwen3, Gemma 3); use tensor_parallel_size=1"
+        )
+    check_sizes(cfg, size)
+    if packed_gguf:
+        raise ConfigError(
+            f"weight_format='packed' with tensor_parallel_size={size}: a rank's shard of a GGUF is dequantized "
+            "(the blocks are not sliced); use weight_format='auto' or 'dequantized'"
+        )
+
+
+def _shard_taker(model: torch.nn.Module, expected: dict, file: str, source: str):
+    """For read_tensors: the whole tensor checked against the config, then this rank's part of it."""
+    cfg = model.cfg
+
+    def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        shard = shard_of(model, name) if name in expected else None
+        if shard is None:
+            return tensor
+        _check_tensor(file, name, tuple(tensor.shape), expected, cfg, source, shard)
+        return local_part(tensor, shard, tuple(expected[name].shape))
+
+    return take
 
 
 # Modules built from GGUF blocks: the HF names of their parts, fused along the outputs in this order.
@@ -229,17 +271,27 @@ def _pack_tied_head(head: torch.nn.Linear) -> bool:
 
 
 def _check_tensor(
-    file: str, name: str, tensor: torch.Tensor | GGUFWeight, expected: dict, cfg: ModelConfig, source: str
+    file: str,
+    name: str,
+    shape: tuple[int, ...],
+    expected: dict,
+    cfg: ModelConfig,
+    source: str,
+    shard: Shard | None = None,
 ) -> None:
+    """`shape`: the checkpoint tensor's; `shard`: the part of it this rank holds (then it is checked whole)."""
     if name not in expected:
         raise ConfigError(f"{file}: unexpected tensor {name!r} for {cfg.architecture}")
-    if tuple(tensor.shape) != tuple(expected[name].shape):
-        raise ConfigError(
-            f"{file}: tensor {name!r} has shape {tuple(tensor.shape)}, {source} implies {tuple(expected[name].shape)}"
-        )
+    want = tuple(expected[name].shape)
+    if shard is not None:
+        want = shard.checkpoint_shape(want)
+    if tuple(shape) != want:
+        raise ConfigError(f"{file}: tensor {name!r} has shape {tuple(shape)}, {source} implies {want}")
 
 
-def _read_safetensors(model_dir: Path, model: LlamaForCausalLM, expected: dict, dtype, device) -> dict:
+def _read_safetensors(
+    model_dir: Path, model: LlamaForCausalLM, expected: dict, dtype, device, sharded: bool = False
+) -> dict:
     cfg = model.cfg
     loaded: dict[str, torch.Tensor] = {}
     rename = getattr(model, "checkpoint_name", None)
@@ -252,10 +304,16 @@ def _read_safetensors(model_dir: Path, model: LlamaForCausalLM, expected: dict, 
                 name = rename(stored) if rename else stored
                 if name not in expected and cfg.tie_word_embeddings and name == "lm_head.weight":
                     continue
+                shard = shard_of(model, name) if sharded and name in expected else None
+                if shard is not None:  # this rank's rows or columns, read without the rest of the tensor
+                    part = f.get_slice(stored)
+                    _check_tensor(path.name, name, tuple(part.get_shape()), expected, cfg, "config.json", shard)
+                    loaded[name] = local_part(part, shard, tuple(expected[name].shape)).to(device=device, dtype=dtype)
+                    continue
                 tensor = f.get_tensor(stored)
                 if experts is not None and experts.take(name, tensor):
                     continue
-                _check_tensor(path.name, name, tensor, expected, cfg, "config.json")
+                _check_tensor(path.name, name, tuple(tensor.shape), expected, cfg, "config.json")
                 loaded[name] = tensor.to(device=device, dtype=dtype)
     if experts is not None:
         loaded |= experts.finish()

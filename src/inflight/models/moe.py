@@ -96,6 +96,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     """Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE: the Llama decoder with `SparseMoeBlock`s for MLPs (a Qwen
     config may keep some layers dense)."""
 
+    supports_tensor_parallel = False  # the experts are not split across ranks yet
+
     @staticmethod
     def make_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
         moe = MoEConfig.from_model_config(cfg)
