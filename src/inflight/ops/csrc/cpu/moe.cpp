@@ -1,7 +1,16 @@
 // Mixture-of-Experts: each (token, slot) pair through its expert's SwiGLU MLP, as a grouped GEMM. The pairs are
 // grouped by expert; tiles of up to MR rows of one expert share every weight vector they read; tasks are (expert,
-// output panel). Three passes: gate/up with the activation, down weighted by the router, the k slots summed.
-// Each output sums its K products in order k = 0..K-1 in one fp32 chain: a row's bits depend on nothing but the row.
+// a group of output panels). Three passes: gate/up with the activation, down weighted by the router, the k slots
+// summed. Each output sums its K products in order k = 0..K-1 in one fp32 chain, whatever the tile or the panels
+// computed beside it: a row's bits depend on nothing but the row.
+#include <linux/futex.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <x86intrin.h>
+
+#include <atomic>
+#include <climits>
 #include <vector>
 
 #include "common.h"
@@ -13,19 +22,22 @@
 // and divisions are exact: an output must round the same wherever it is computed.
 #pragma GCC optimize("no-associative-math", "fp-contract=off", "no-reciprocal-math")
 
-#if defined(__AVX512F__) || defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-// The build's native fp32 vector: sixteen lanes (one zmm) with AVX-512, eight (one ymm) elsewhere.
+// The build's native fp32 vector: sixteen lanes (one zmm) with AVX-512, eight (one ymm) elsewhere. A tile of M rows
+// runs panels(M) panels at once: a tile of few rows keeps more multiply-add chains in flight.
 #ifdef __AVX512F__
 constexpr int VW = 16;
 constexpr int MR = 12;  // rows a tile: 24 accumulators of the 32 registers
+static constexpr int panels(int M) { return M <= 5 ? 2 : 1; }
 #else
 constexpr int VW = 8;
 constexpr int MR = 6;  // 12 accumulators of the 16 registers
+static constexpr int panels(int M) { return M <= 2 ? 2 : 1; }
 #endif
 constexpr int PW = 2 * VW;  // values a panel step: two vectors (gate and up, or two vectors of outputs)
+constexpr int GROUP = 4;    // panels a task
+// Zero steps after each panel's K: panels read side by side (and the ones prefetched beside them) then start a cache
+// line apart, not in one cache set.
+static constexpr int64_t pad_steps(int64_t elem_size) { return 64 / (PW * elem_size) > 1 ? 64 / (PW * elem_size) : 1; }
 typedef float vf __attribute__((vector_size(4 * VW)));
 typedef uint32_t vu32 __attribute__((vector_size(4 * VW)));
 typedef int32_t vi32 __attribute__((vector_size(4 * VW)));
@@ -93,28 +105,25 @@ static inline void store_out(c10::BFloat16* o, float f) {
   o->x = uint16_t(u >> 16);
 }
 
-// acc[m] = the tile's M rows (fp32, a[m][0..K)) times a panel's two vectors of outputs, k in order. A tile that
-// reads the panel first pulls the weights PREFETCH bytes ahead into the caches (the next panel's, past the end):
-// the stream from memory keeps more lines in flight than the hardware prefetcher alone.
-#ifndef MOE_PF
-#define MOE_PF 2048
-#endif
-#ifndef MOE_PFL
-#define MOE_PFL 3
-#endif
-constexpr int64_t PREFETCH = MOE_PF;
-template <int M, typename W>
-static inline void dot_tile(vf (&ca)[M], vf (&cb)[M], const float* const* a, const W* w, int64_t K, bool first) {
-  for (int m = 0; m < M; ++m) ca[m] = cb[m] = vf{};
-  const char* ahead = reinterpret_cast<const char*>(w) + PREFETCH;
+// c[j][0/1][m] = the tile's M rows (fp32, a[m][0..K)) times panel j's two vectors of outputs, k in order; panel j at
+// w + j * stride. With `next` (the first tile over these panels), the panels the next call reads are pulled into
+// L2 at the same step: the weights stream from memory while this call computes.
+template <int M, int NP, typename W>
+static inline void dot_tile(vf (&c)[NP][2][M], const float* const* a, const W* w, int64_t stride, int64_t K,
+                            const W* next) {
+  for (int j = 0; j < NP; ++j)
+    for (int m = 0; m < M; ++m) c[j][0][m] = c[j][1][m] = vf{};
   for (int64_t k = 0; k < K; ++k) {
-    if (first) __builtin_prefetch(ahead + k * PW * sizeof(W), 0, MOE_PFL);
-    vf wa, wb;
-    step(w + k * PW, wa, wb);
+    if (next)
+      for (int j = 0; j < NP; ++j) __builtin_prefetch(next + j * stride + k * PW, 0, 2);
+    vf wa[NP], wb[NP];
+    for (int j = 0; j < NP; ++j) step(w + j * stride + k * PW, wa[j], wb[j]);
     for (int m = 0; m < M; ++m) {
       const vf xk = bcast(a[m][k]);
-      ca[m] = madd(xk, wa, ca[m]);
-      cb[m] = madd(xk, wb, cb[m]);
+      for (int j = 0; j < NP; ++j) {
+        c[j][0][m] = madd(xk, wa[j], c[j][0][m]);
+        c[j][1][m] = madd(xk, wb[j], c[j][1][m]);
+      }
     }
   }
 }
@@ -122,114 +131,165 @@ static inline void dot_tile(vf (&ca)[M], vf (&cb)[M], const float* const* a, con
 // act = silu(gate) * up for one vector of a row, rounded where HF rounds (gate and up, silu, the product). Not
 // inlined: every row's activation runs the same machine code (the exp's vector and scalar forms may differ).
 template <typename T>
-__attribute__((noinline)) static void activate(float* __restrict act, const float* __restrict gate, const float* __restrict up) {
+__attribute__((noinline)) static void activate(float* __restrict act, const float* __restrict gate,
+                                               const float* __restrict up) {
   for (int l = 0; l < VW; ++l) {
     const float g = rounded(gate[l], T());
     act[l] = rounded(rounded(g / (1.f + expf(-g)), T()) * rounded(up[l], T()), T());
   }
 }
 
-// M rows' activations for one panel of the intermediate outputs (act[m] at the panel's first output).
-template <int M, typename T>
-static void gate_up_tile(float* const* act, const float* const* x, const T* w, int64_t H, bool first) {
-  vf g[M], u[M];
-  dot_tile<M>(g, u, x, w, H, first);
-  for (int m = 0; m < M; ++m) {
-    alignas(64) float gs[VW], us[VW];
-    std::memcpy(gs, &g[m], sizeof gs);
-    std::memcpy(us, &u[m], sizeof us);
-    activate<T>(act[m], gs, us);
-  }
+// M rows' activations for NP panels of the intermediate outputs (act[m] at the first panel's first output).
+template <int M, int NP, typename T>
+static void gate_up_tile(float* const* act, const float* const* x, const T* w, int64_t stride, int64_t H,
+                         const T* next) {
+  vf c[NP][2][M];
+  dot_tile<M, NP>(c, x, w, stride, H, next);
+  for (int j = 0; j < NP; ++j)
+    for (int m = 0; m < M; ++m) {
+      alignas(64) float g[VW], u[VW];
+      std::memcpy(g, &c[j][0][m], sizeof g);
+      std::memcpy(u, &c[j][1][m], sizeof u);
+      activate<T>(act[m] + j * VW, g, u);
+    }
 }
 
-// M rows' down projection for one panel of hidden outputs, rounded to the activations' dtype, then times the
-// router's weight in fp32 (y[m] at the panel's first output).
-template <int M, typename T>
-static void down_tile(float* const* y, const float* weight, const float* const* act, const T* w, int64_t I,
-                      bool first) {
-  vf a[M], b[M];
-  dot_tile<M>(a, b, act, w, I, first);
-  for (int m = 0; m < M; ++m) {
-    const vf ya = rounded(a[m], T()) * weight[m], yb = rounded(b[m], T()) * weight[m];
-    std::memcpy(y[m], &ya, sizeof ya);
-    std::memcpy(y[m] + VW, &yb, sizeof yb);
-  }
+// M rows' down projection for NP panels of hidden outputs, rounded to the activations' dtype, then times the
+// router's weight in fp32 (y[m] at the first panel's first output).
+template <int M, int NP, typename T>
+static void down_tile(float* const* y, const float* weight, const float* const* act, const T* w, int64_t stride,
+                      int64_t I, const T* next) {
+  vf c[NP][2][M];
+  dot_tile<M, NP>(c, act, w, stride, I, next);
+  for (int j = 0; j < NP; ++j)
+    for (int m = 0; m < M; ++m) {
+      const vf ya = rounded(c[j][0][m], T()) * weight[m], yb = rounded(c[j][1][m], T()) * weight[m];
+      std::memcpy(y[m] + j * PW, &ya, sizeof ya);
+      std::memcpy(y[m] + j * PW + VW, &yb, sizeof yb);
+    }
 }
 
-// A tile of m rows (1..MR) through the instantiation for m.
-template <typename T, int M = MR>
-static void gate_up_rows(int m, float* const* act, const float* const* x, const T* w, int64_t H, bool first) {
+// A tile of m rows (1..MR) over np panels (1..panels(m)) through the instantiation for both.
+template <typename T, int M = MR, int NP = panels(M)>
+static void gate_up_rows(int m, int np, float* const* act, const float* const* x, const T* w, int64_t stride, int64_t H,
+                         const T* next) {
   if constexpr (M > 1)
-    if (m < M) return gate_up_rows<T, M - 1>(m, act, x, w, H, first);
-  gate_up_tile<M, T>(act, x, w, H, first);
+    if (m < M) return gate_up_rows<T, M - 1>(m, np, act, x, w, stride, H, next);
+  if constexpr (NP > 1)
+    if (np < NP) return gate_up_rows<T, M, NP - 1>(m, np, act, x, w, stride, H, next);
+  gate_up_tile<M, NP, T>(act, x, w, stride, H, next);
 }
-template <typename T, int M = MR>
-static void down_rows(int m, float* const* y, const float* weight, const float* const* act, const T* w, int64_t I,
-                      bool first) {
+template <typename T, int M = MR, int NP = panels(M)>
+static void down_rows(int m, int np, float* const* y, const float* weight, const float* const* act, const T* w,
+                      int64_t stride, int64_t I, const T* next) {
   if constexpr (M > 1)
-    if (m < M) return down_rows<T, M - 1>(m, y, weight, act, w, I, first);
-  down_tile<M, T>(y, weight, act, w, I, first);
+    if (m < M) return down_rows<T, M - 1>(m, np, y, weight, act, w, stride, I, next);
+  if constexpr (NP > 1)
+    if (np < NP) return down_rows<T, M, NP - 1>(m, np, y, weight, act, w, stride, I, next);
+  down_tile<M, NP, T>(y, weight, act, w, stride, I, next);
 }
 
 // n rows cut into the fewest tiles of at most MR, the rows shared evenly (7: 4 + 3, not 6 + 1): fn(first, rows).
+static inline int largest_tile(int64_t n) {
+  const int64_t tiles = (n + MR - 1) / MR;
+  return (int)((n + tiles - 1) / tiles);
+}
 template <typename F>
 static inline void for_tiles(int64_t n, F&& fn) {
   const int64_t tiles = (n + MR - 1) / MR;
   for (int64_t b = 0; b < tiles; ++b) fn(n * b / tiles, (int)(n * (b + 1) / tiles - n * b / tiles));
 }
 
+// The call's threads meet here between passes: a waiter spins first (its peer is microseconds away), then sleeps
+// on a futex until the last one arrives (the cores may be shared, and a spinning waiter takes its peer's).
+struct Barrier {
+  static constexpr uint64_t SPIN_TICKS = 1u << 17;
+  std::atomic<int> arrived{0}, phase{0}, sleepers{0};
+  void wait(int n) {
+    if (n == 1) return;
+    const int ph = phase.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      phase.store(ph + 1, std::memory_order_seq_cst);
+      if (sleepers.load(std::memory_order_seq_cst) > 0)
+        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
+      return;
+    }
+    const uint64_t start = __rdtsc();
+    while (phase.load(std::memory_order_acquire) == ph) {
+      if (__rdtsc() - start < SPIN_TICKS) {
+        _mm_pause();
+        continue;
+      }
+      sleepers.fetch_add(1, std::memory_order_seq_cst);
+      while (phase.load(std::memory_order_seq_cst) == ph)
+        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAIT_PRIVATE, ph, nullptr, nullptr, 0);
+      sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+};
+
+// Tasks 0..n-1 claimed in shrinking runs (guided): a thread slowed by a busy core takes fewer, and a run is a stretch
+// of consecutive panels, read in memory order.
+template <typename F>
+static void claim(std::atomic<int64_t>& next, int64_t n, int nt, F&& run) {
+  for (;;) {
+    int64_t b = next.load(std::memory_order_relaxed), c;
+    do {
+      if (b >= n) return;
+      c = std::max<int64_t>(1, (n - b) / (4 * nt));
+    } while (!next.compare_exchange_weak(b, b + c, std::memory_order_relaxed));
+    run(b, std::min(n, b + c));
+  }
+}
+
+// One call: the pairs grouped by expert, then three passes in one parallel region (one wake-up of the pool): gate/up
+// with the activation into act (by grouped position), down weighted into `weighted` (by pair), then each token's k
+// weighted outputs summed in fp32 in top-k order and rounded once.
 template <typename T>
-static void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                           const float* topk_weights, const int32_t* ids, int64_t k, int64_t min_macs_per_thread) {
-  const int64_t tokens = x.size(0), H = x.size(1), E = w13.size(0), P1 = w13.size(1), P2 = w2.size(1), I = w2.size(2);
-  const int64_t pairs = tokens * k, Ip = P1 * VW, Hp = P2 * PW;
-  // The pairs (p = token * k + slot) grouped by expert: expert e's are order[start[e]..start[e + 1]), in pair order.
-  std::vector<int64_t> start(E + 1, 0), order(pairs);
-  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
-  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t p = 0; p < pairs; ++p) order[fill[ids[p]]++] = p;
-  std::vector<int64_t> active;  // the experts with pairs: an idle expert's weights are never read
-  for (int64_t e = 0; e < E; ++e)
-    if (start[e + 1] > start[e]) active.push_back(e);
-  const int64_t A = (int64_t)active.size(), rows_per_expert = (pairs + A - 1) / A;
+struct Moe {
+  const float* x;  // [tokens, xs] fp32 (bf16 widened once, exact)
+  int64_t xs;
+  const T *w13, *w2;
+  const float* topk_weights;
+  int64_t tokens, k, H, I, pad, P1, P2, G1, G2, Ip, Hp;  // G1, G2: tasks an expert
+  const int64_t *start, *order, *active;  // expert e's pairs: order[start[e]..start[e + 1]); the experts with pairs
+  int64_t A;
+  float *act, *weighted;
+  T* out;
+  int64_t os;
+  std::atomic<int64_t> next1{0}, next2{0};
+  Barrier barrier;
 
-  // x's rows as fp32 (bf16 widened once, exact); the activations by grouped position; the weighted outputs by pair.
-  const at::Tensor xf = std::is_same_v<T, float> ? x : x.to(at::kFloat);
-  const float* xp = xf.data_ptr<float>();
-  const int64_t xs = xf.stride(0);
-  at::Tensor act_t = at::empty({pairs, Ip}, x.options().dtype(at::kFloat));
-  at::Tensor weighted_t = at::empty({pairs, Hp}, x.options().dtype(at::kFloat));
-  float* act = act_t.data_ptr<float>();
-  float* weighted = weighted_t.data_ptr<float>();
-  const T* w13p = w13.data_ptr<T>();
-  const T* w2p = w2.data_ptr<T>();
-
-  // Tasks are (active expert, panel), the expert's panels in a row: a thread streams one stretch of weights.
-  const int64_t grain1 = std::max<int64_t>(1, min_macs_per_thread / std::max<int64_t>(1, rows_per_expert * H * PW));
-  at::parallel_for(0, A * P1, grain1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t e = active[t / P1], p = t % P1, s = start[e];
-      const T* w = w13p + (e * P1 + p) * H * PW;
-      for_tiles(start[e + 1] - s, [&](int64_t r0, int rows) {
+  // Task t: expert active[t / G1], its panels GROUP * (t % G1).. of w13. Panels outer, tiles inner: the panels come
+  // from memory for the first tile and from the caches for the others.
+  void gate_up(int64_t t) const {
+    const int64_t e = active[t / G1], s = start[e], n = start[e + 1] - s, stride = (H + pad) * PW;
+    const int64_t p0 = GROUP * (t % G1), p1 = std::min(P1, p0 + GROUP);
+    const int run = panels(largest_tile(n));  // every tile of the expert runs this many panels at once
+    for (int64_t p = p0; p < p1; p += run) {
+      const int np = (int)std::min<int64_t>(run, p1 - p);
+      const T* w = w13 + (e * P1 + p) * stride;
+      for_tiles(n, [&](int64_t r0, int rows) {
         const float* xr[MR];
         float* ar[MR];
         for (int i = 0; i < rows; ++i) {
           const int64_t pos = s + r0 + i;
-          xr[i] = xp + (order[pos] / k) * xs;
+          xr[i] = x + (order[pos] / k) * xs;
           ar[i] = act + pos * Ip + p * VW;
         }
-        gate_up_rows<T>(rows, ar, xr, w, H, r0 == 0);
+        gate_up_rows<T>(rows, np, ar, xr, w, stride, H, r0 == 0 ? w + np * stride : nullptr);
       });
     }
-  });
-
-  const int64_t grain2 = std::max<int64_t>(1, min_macs_per_thread / std::max<int64_t>(1, rows_per_expert * I * PW));
-  at::parallel_for(0, A * P2, grain2, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t e = active[t / P2], p = t % P2, s = start[e];
-      const T* w = w2p + (e * P2 + p) * I * PW;
-      for_tiles(start[e + 1] - s, [&](int64_t r0, int rows) {
+  }
+  void down(int64_t t) const {
+    const int64_t e = active[t / G2], s = start[e], n = start[e + 1] - s, stride = (I + pad) * PW;
+    const int64_t p0 = GROUP * (t % G2), p1 = std::min(P2, p0 + GROUP);
+    const int run = panels(largest_tile(n));  // every tile of the expert runs this many panels at once
+    for (int64_t p = p0; p < p1; p += run) {
+      const int np = (int)std::min<int64_t>(run, p1 - p);
+      const T* w = w2 + (e * P2 + p) * stride;
+      for_tiles(n, [&](int64_t r0, int rows) {
         const float* ar[MR];
         float* yr[MR];
         float wt[MR];
@@ -239,29 +299,87 @@ static void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tenso
           yr[i] = weighted + pair * Hp + p * PW;
           wt[i] = topk_weights[pair];
         }
-        down_rows<T>(rows, yr, wt, ar, w, I, r0 == 0);
+        down_rows<T>(rows, np, yr, wt, ar, w, stride, I, r0 == 0 ? w + np * stride : nullptr);
       });
     }
-  });
+  }
+  void sum(int64_t t) const {  // in place over the token's first slot
+    float* w = weighted + t * k * Hp;
+    for (int64_t j = 1; j < k; ++j)
+      for (int64_t h = 0; h < H; ++h) w[h] += w[j * Hp + h];
+    for (int64_t h = 0; h < H; ++h) store_out(out + t * os + h, w[h]);
+  }
+  void run(int tid, int nt) {
+    claim(next1, A * G1, nt, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) gate_up(t);
+    });
+    barrier.wait(nt);
+    claim(next2, A * G2, nt, [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) down(t);
+    });
+    barrier.wait(nt);
+    for (int64_t t = tokens * tid / nt; t < tokens * (tid + 1) / nt; ++t) sum(t);
+  }
+};
 
-  // Each token's k weighted outputs summed in fp32 in top-k order, rounded once.
-  T* o = out.data_ptr<T>();
-  const int64_t os = out.stride(0);
-  at::parallel_for(0, tokens, grain(k * H), [&](int64_t begin, int64_t end) {
-    std::vector<float> sum(H);
-    for (int64_t t = begin; t < end; ++t) {
-      const float* w = weighted + t * k * Hp;
-      std::memcpy(sum.data(), w, H * sizeof(float));
-      for (int64_t j = 1; j < k; ++j)
-        for (int64_t h = 0; h < H; ++h) sum[h] += w[j * Hp + h];
-      for (int64_t h = 0; h < H; ++h) store_out(o + t * os + h, sum[h]);
-    }
-  });
+template <typename T>
+static void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                           const float* topk_weights, const int32_t* ids, int64_t k, int64_t min_macs_per_thread) {
+  const int64_t tokens = x.size(0), E = w13.size(0), pairs = tokens * k;
+  std::vector<int64_t> start(E + 1, 0), order(pairs), active;
+  for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) order[fill[ids[p]]++] = p;  // pair order kept within an expert
+  for (int64_t e = 0; e < E; ++e)
+    if (start[e + 1] > start[e]) active.push_back(e);  // an idle expert's weights are never read
+
+  Moe<T> m;
+  const at::Tensor xf = x.to(at::kFloat);
+  m.x = xf.data_ptr<float>();
+  m.xs = xf.stride(0);
+  m.w13 = w13.data_ptr<T>();
+  m.w2 = w2.data_ptr<T>();
+  m.topk_weights = topk_weights;
+  m.tokens = tokens;
+  m.k = k;
+  m.H = x.size(1);
+  m.pad = pad_steps(sizeof(T));
+  m.I = w2.size(2) - m.pad;
+  m.P1 = w13.size(1);
+  m.P2 = w2.size(1);
+  m.G1 = (m.P1 + GROUP - 1) / GROUP;
+  m.G2 = (m.P2 + GROUP - 1) / GROUP;
+  m.Ip = m.P1 * VW;
+  m.Hp = m.P2 * PW;
+  m.start = start.data();
+  m.order = order.data();
+  m.active = active.data();
+  m.A = (int64_t)active.size();
+  const at::Tensor act = at::empty({pairs, m.Ip}, x.options().dtype(at::kFloat));
+  const at::Tensor weighted = at::empty({pairs, m.Hp}, x.options().dtype(at::kFloat));
+  m.act = act.data_ptr<float>();
+  m.weighted = weighted.data_ptr<float>();
+  m.out = out.data_ptr<T>();
+  m.os = out.stride(0);
+
+  // A sleeping pool costs tens of microseconds to wake: a small call stays on the calling thread.
+  const int64_t macs = pairs * 3 * m.H * m.I;
+  const int nt = at::in_parallel_region()
+                     ? 1
+                     : (int)std::min<int64_t>(at::get_num_threads(),
+                                              std::max<int64_t>(1, macs / std::max<int64_t>(1, min_macs_per_thread)));
+  if (nt == 1) {
+    m.run(0, 1);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  m.run(omp_get_thread_num(), omp_get_num_threads());
 }
 
 // out [T, H] = each token through its k experts (topk_ids int32 [T, k]) weighted by topk_weights (fp32 [T, k]),
-// x [T, H] and the moe_pack'ed w13, w2 of one dtype, fp32 or bf16. Tasks run on the calling thread below
-// min_macs_per_thread multiply-adds a chunk.
+// x [T, H] and the moe_pack'ed w13, w2 of one dtype, fp32 or bf16. Each thread takes min_macs_per_thread
+// multiply-adds at least (fewer threads on a small call).
 void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_weights,
                at::Tensor topk_ids, int64_t min_macs_per_thread) {
   check_rows(x, "x");
@@ -270,16 +388,16 @@ void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::
   const int64_t T_ = x.size(0), H = x.size(1);
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "fused_moe: fp32 or bf16");
   TORCH_CHECK(out.scalar_type() == dt && out.size(0) == T_ && out.size(1) == H, "out: [T, H] in x's dtype");
-  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.is_contiguous() && w2.is_contiguous() &&
-                  w13.scalar_type() == dt && w2.scalar_type() == dt,
+  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.is_contiguous() && w2.is_contiguous() && w13.scalar_type() == dt &&
+                  w2.scalar_type() == dt,
               "w13, w2: moe_pack'ed, contiguous, in x's dtype");
-  const int64_t E = w13.size(0), I = w2.size(2);
-  TORCH_CHECK(w13.size(3) == PW && w2.size(3) == PW && w13.size(2) == H && w2.size(0) == E &&
+  const int64_t E = w13.size(0), pad = pad_steps(x.element_size()), I = w2.size(2) - pad;
+  TORCH_CHECK(w13.size(3) == PW && w2.size(3) == PW && w13.size(2) == H + pad && w2.size(0) == E && I > 0 &&
                   w13.size(1) == (I + VW - 1) / VW && w2.size(1) == (H + PW - 1) / PW,
               "w13, w2: not moe_pack'ed for this build and x's width");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kInt && topk_ids.is_contiguous() && topk_ids.dim() == 2 &&
-                  topk_ids.size(0) == T_,
-              "topk_ids: int32 [T, k]");
+  TORCH_CHECK(
+      topk_ids.scalar_type() == at::kInt && topk_ids.is_contiguous() && topk_ids.dim() == 2 && topk_ids.size(0) == T_,
+      "topk_ids: int32 [T, k]");
   TORCH_CHECK(topk_weights.scalar_type() == at::kFloat && topk_weights.is_contiguous() &&
                   topk_weights.sizes() == topk_ids.sizes(),
               "topk_weights: fp32 [T, k]");
@@ -296,9 +414,9 @@ void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::
     fused_moe_impl<c10::BFloat16>(out, x, w13, w2, topk_weights.data_ptr<float>(), ids, k, min_macs_per_thread);
 }
 
-// w [E, N, K] (fp32 or bf16) -> [E, P, K, PW] panels of two vectors a step, zero past the outputs. gate_up: w13,
-// panel p pairs gate outputs p*VW.. with the same up outputs (I = N / 2); else panel p holds outputs p*PW...
-// bf16 steps interleave the two vectors (step's layout).
+// w [E, N, K] (fp32 or bf16) -> [E, P, K + pad_steps, PW]: panels of two vectors a step, zero past the outputs and
+// in the pad steps. gate_up: w13, panel p pairs gate outputs p*VW.. with the same up outputs (I = N / 2); else panel
+// p holds outputs p*PW... bf16 steps interleave the two vectors (step's layout).
 at::Tensor moe_pack(at::Tensor w, bool gate_up) {
   TORCH_CHECK(w.dim() == 3 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
               "moe_pack: fp32 or bf16 [E, N, K]");
@@ -306,7 +424,8 @@ at::Tensor moe_pack(at::Tensor w, bool gate_up) {
   w = w.contiguous();
   const int64_t E = w.size(0), N = w.size(1), K = w.size(2), I = N / 2;
   const int64_t P = gate_up ? (I + VW - 1) / VW : (N + PW - 1) / PW;
-  at::Tensor packed = at::zeros({E, P, K, PW}, w.options());
+  const int64_t Ks = K + pad_steps(w.element_size());
+  at::Tensor packed = at::zeros({E, P, Ks, PW}, w.options());
   const bool bf16 = w.scalar_type() == at::kBFloat16;
   const int64_t es = w.element_size();
   const char* src = static_cast<const char*>(w.data_ptr());
@@ -320,7 +439,7 @@ at::Tensor moe_pack(at::Tensor w, bool gate_up) {
           if (n >= N) continue;
           const int64_t lane = bf16 ? 2 * l + half : half * VW + l;  // the slot of (half, l) in a step
           const char* row = src + (e * N + n) * K * es;
-          char* col = dst + (t * K * PW + lane) * es;
+          char* col = dst + (t * Ks * PW + lane) * es;
           for (int64_t kk = 0; kk < K; ++kk) std::memcpy(col + kk * PW * es, row + kk * es, es);
         }
     }
