@@ -2,8 +2,8 @@
 (`reference.fused_moe`) and against the memory floor: the bytes of the experts a call touches over the
 machine's streaming bandwidth.
 
-    python -m benchmarks.kernels.moe_cpu
-    python -m benchmarks.kernels.moe_cpu --tokens 1 32 --dtype bfloat16 --threads 1
+    python -m benchmarks.kernels.bench_moe_cpu
+    python -m benchmarks.kernels.bench_moe_cpu --tokens 1 32 --dtype bfloat16 --threads 1
 
 Decode-shaped: T tokens routed at random to top-k of E experts (hidden H, intermediate I). Calls cycle through
 several layers' weights and routings, so that no call finds its experts in the last-level cache, as in a real
