@@ -94,26 +94,6 @@ def test_capture_sees_every_kernel_path(captured):
         assert kinds == [(*t, sliding) for t in tiles for sliding in (False, True)], (run, attention)
 
 
-def test_the_sliding_window_twin_is_what_a_windowed_launch_records():
-    """`with_sliding_window` derives the windowed binaries from the engine's runs: a windowed launch (decode
-    and prefill tiles, any window) records exactly the twin of the same launch without one."""
-    from kernel_batches import make_batch
-
-    from inflight.ops.triton.paged_attention import paged_attention, plan_attention
-    from tools.kernel_launches import record_launches, with_sliding_window
-
-    batch = make_batch([(20, 1), (0, 17)], 8, 2, 64, 16)
-    plan = plan_attention(batch.query_start_loc_np, batch.seq_lens_np, 8, 2, batch.query.device, num_splits=1)
-    args = (batch.query, batch.k_cache, batch.v_cache, batch.query_start_loc, batch.seq_lens, batch.block_tables)
-    with record_launches() as log:
-        for window in (None, 5, 16):
-            paged_attention(*args, 0.125, plan, window)
-    plain, *windowed = (log.launches[i : i + 2] for i in range(0, 6, 2))  # decode and prefill launches each
-    twins = [s.spec_key() for s in with_sliding_window(plain)[2:]]
-    assert [s.spec_key() for s in plain] != twins
-    assert all([s.spec_key() for s in launches] == twins for launches in windowed)
-
-
 def test_every_gguf_format_is_captured_in_every_dtype(captured):
     """Each block format's GEMV, GEMM and embedding binary, for fp32, fp16 and bf16 activations."""
     from inflight.ops.triton.gguf_gemm import SUPPORTED_QTYPES
@@ -143,7 +123,12 @@ def test_every_lora_row_tile_is_captured_in_every_dtype(captured):
 
 def test_every_moe_config_is_captured_in_every_dtype(captured):
     """Both GEMMs (with and without the routing weight) of every config `get_config` can pick, per dtype."""
-    from tools.kernel_launches import moe_capture_configs
+    from inflight.ops.triton import fused_moe
+
+    def moe_capture_configs(dtype: str) -> list:  # every config `get_config` can pick for `dtype`
+        if dtype == "float32":
+            return [fused_moe.FP32_CONFIG]
+        return list(dict.fromkeys([fused_moe.DEFAULT_CONFIG, *fused_moe.CONFIGS.values()]))
 
     def key(spec: dict) -> tuple:
         c = constexprs(spec)
