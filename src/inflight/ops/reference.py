@@ -172,9 +172,7 @@ def lora_apply(
     out[rows] = acc.to(out.dtype)
 
 
-def select_experts(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's router: softmax in fp32 over all experts, the top-k, renormalised to sum 1 where the config says.
     Returns (topk_weights fp32 [T, k], topk_ids int32 [T, k]); ties go to the lower expert id (torch.topk)."""
     probs = torch.softmax(router_logits.float(), dim=-1)
