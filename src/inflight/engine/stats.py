@@ -62,6 +62,7 @@ class EngineSnapshot:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    grammar_cache_bytes: int = 0  # compiled grammars the structured-output cache holds (bounded by config)
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class SchedulerStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0  # 0: LoRA off
+    grammar_cache_bytes: int = 0
 
     @classmethod
     def of(cls, snap: EngineSnapshot, max_arrival_spread_s: float = 0.0) -> SchedulerStats:
@@ -94,6 +96,7 @@ class SchedulerStats:
             snap.running_lora_adapters,
             snap.waiting_lora_adapters,
             snap.max_lora,
+            snap.grammar_cache_bytes,
         )
 
     def idle(self) -> SchedulerStats:
@@ -108,6 +111,7 @@ class SchedulerStats:
             num_kv_blocks_cached=0,
             running_lora_adapters=(),
             waiting_lora_adapters=(),
+            grammar_cache_bytes=0,
         )
 
 
