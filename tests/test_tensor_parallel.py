@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -164,6 +165,33 @@ def test_a_worker_rank_that_dies_ends_the_engine_at_once_and_leaves_no_process(t
     tp2.close()
     assert not worker.is_alive()
     assert not _ranks_of(os.getpid()), "a tensor-parallel worker outlived its engine"
+
+
+def test_a_rank_that_dies_while_rank_0_waits_in_a_collective_fails_the_step_at_once(demo_model_dir):
+    # Without the abort, rank 0 would wait out the collective's 60 s timeout for a rank that will never come
+    engine = LLMEngine(demo_model_dir, EngineConfig(dtype="float32", num_kv_blocks=32, tensor_parallel_size=2))
+    try:
+        worker = engine.workers.processes[0]
+        engine.add_request("x", PROMPTS[0], GREEDY)
+        os.kill(worker.pid, signal.SIGSTOP)  # rank 0's step goes as far as the first collective, and waits there
+        errors: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                engine.step()
+            except EngineDeadError as e:
+                errors.append(e)
+
+        stepping = threading.Thread(target=step, daemon=True)
+        stepping.start()
+        stepping.join(1.0)
+        assert stepping.is_alive(), "rank 0's step did not wait for the stopped rank"
+        os.kill(worker.pid, signal.SIGKILL)
+        stepping.join(20)
+        assert not stepping.is_alive(), "rank 0 still waits for a dead rank"
+        assert len(errors) == 1 and "rank 1" in str(errors[0]) and "SIGKILL" in str(errors[0])
+    finally:
+        engine.close()
 
 
 def _ranks_of(parent: int) -> list[int]:
