@@ -1,14 +1,15 @@
-"""Tensor parallelism on this host. Two ranks (processes over gloo, one thread each) against one rank on the demo
-model: the same logits within TP_ATOL and the same greedy tokens under chunked prefill, preemption, prefix hits
-and speculative verification, in one run; a killed worker rank ends the engine at once and leaves no process
-behind. Eight ranks (KV heads replicated, the vocabulary padded) and Gemma 3 as threads of this process; the
-refusals. SmolLM2 over three ranks on request (INFLIGHT_TEST_TP_SMOLLM2=1). Through tritonserver:
-tests/e2e/test_tensor_parallel_e2e.py."""
+"""Tensor parallelism on this host. Two ranks (processes, one thread each, their collectives over shared memory,
+and over gloo) against one rank on the demo model: the same logits within TP_ATOL and the same greedy tokens under
+chunked prefill, preemption, prefix hits and speculative verification, in one run; a killed worker rank ends the
+engine at once and leaves no process behind. Eight ranks (KV heads replicated, the vocabulary padded) and Gemma 3
+as threads of this process; the refusals. SmolLM2 over three ranks on request (INFLIGHT_TEST_TP_SMOLLM2=1).
+Through tritonserver: tests/e2e/test_tensor_parallel_e2e.py. The collectives alone: tests/test_shm_group.py."""
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -24,12 +25,14 @@ from inflight.engine.engine import LLMEngine
 from inflight.errors import EngineDeadError
 from inflight.executor.attention.metadata import consecutive_batch
 from inflight.executor.model_runner import ModelRunner
-from inflight.executor.tp_worker import join_group
+from inflight.executor.shm_group import OFF_VARIABLE
+from inflight.executor.tp_worker import connect
 from inflight.launcher.cli import build_parser, serve_parameters
 from inflight.launcher.server import free_port
 from inflight.models.config import ModelConfig
 from inflight.models.loader import check_tensor_parallel, load_model
 from inflight.models.parallel import TensorParallel, check_sizes, local_part
+from inflight.ops import cpu
 from inflight.sampling_params import SamplingParams
 
 # The ranks' all-reduces add partial sums in another order than one rank's GEMMs: fp32 logits differed by at most
@@ -115,6 +118,7 @@ def tp2(demo_model_dir):
 
 def test_two_ranks_give_one_ranks_logits_and_greedy_tokens(reference, tp2):
     (ref_tokens, ref_logits), ref_stats = reference
+    assert tp2.model.tp.shm is not None or not cpu.available(), "CPU ranks on one host meet in shared memory"
     tokens, logits = run(tp2)
     stats = tp2.snapshot()
     assert tokens == ref_tokens
@@ -128,6 +132,19 @@ def test_two_ranks_give_one_ranks_logits_and_greedy_tokens(reference, tp2):
     assert stats.prefix_cache_hits > 0, "expected prefix-cache hits"
     assert stats.spec_decode_num_accepted_tokens > 0, "expected accepted drafts"
     assert tp2.block_manager.num_used_blocks == 0
+
+
+def test_two_ranks_over_gloo_give_one_ranks_greedy_tokens(reference, demo_model_dir, monkeypatch):
+    (ref_tokens, ref_logits), _ = reference
+    monkeypatch.setenv(OFF_VARIABLE, "0")
+    engine = LLMEngine(demo_model_dir, EngineConfig(**STRESS, tensor_parallel_size=2))
+    try:
+        assert engine.model.tp.shm is None
+        tokens, logits = run(engine)
+    finally:
+        engine.close()
+    assert tokens == ref_tokens and logits.keys() == ref_logits.keys()
+    assert max((logits[k] - ref_logits[k]).abs().max().item() for k in ref_logits) <= TP_ATOL
 
 
 def test_a_worker_rank_that_dies_ends_the_engine_at_once_and_leaves_no_process(tp2):
@@ -148,6 +165,33 @@ def test_a_worker_rank_that_dies_ends_the_engine_at_once_and_leaves_no_process(t
     tp2.close()
     assert not worker.is_alive()
     assert not _ranks_of(os.getpid()), "a tensor-parallel worker outlived its engine"
+
+
+def test_a_rank_that_dies_while_rank_0_waits_in_a_collective_fails_the_step_at_once(demo_model_dir):
+    # Without the abort, rank 0 would wait out the collective's 60 s timeout for a rank that will never come
+    engine = LLMEngine(demo_model_dir, EngineConfig(dtype="float32", num_kv_blocks=32, tensor_parallel_size=2))
+    try:
+        worker = engine.workers.processes[0]
+        engine.add_request("x", PROMPTS[0], GREEDY)
+        os.kill(worker.pid, signal.SIGSTOP)  # rank 0's step goes as far as the first collective, and waits there
+        errors: list[BaseException] = []
+
+        def step() -> None:
+            try:
+                engine.step()
+            except EngineDeadError as e:
+                errors.append(e)
+
+        stepping = threading.Thread(target=step, daemon=True)
+        stepping.start()
+        stepping.join(1.0)
+        assert stepping.is_alive(), "rank 0's step did not wait for the stopped rank"
+        os.kill(worker.pid, signal.SIGKILL)
+        stepping.join(20)
+        assert not stepping.is_alive(), "rank 0 still waits for a dead rank"
+        assert len(errors) == 1 and "rank 1" in str(errors[0]) and "SIGKILL" in str(errors[0])
+    finally:
+        engine.close()
 
 
 def _ranks_of(parent: int) -> list[int]:
@@ -205,8 +249,8 @@ def test_shards_cover_each_tensor_once_and_kv_heads_follow_vllms_rule():
 
 
 def ranks_as_threads(model_dir, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step's logits from `size` ranks run as threads of this process in one gloo group (no processes to
-    start), and from one rank."""
+    """One step's logits from `size` ranks run as threads of this process in one group (no processes to start;
+    shared memory where the C++ ops build, else gloo), and from one rank."""
     seq_lens, query_lens = [5, 19, 1], [5, 7, 1]
     vocab = ModelConfig.load(model_dir).vocab_size
     input_ids = torch.randint(0, vocab, (sum(query_lens),), generator=torch.Generator().manual_seed(0))
@@ -217,7 +261,7 @@ def ranks_as_threads(model_dir, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         model, _ = load_model(model_dir, torch.float32, "cpu", tp=tp)
         if tp.size > 1:
             store = dist.TCPStore("127.0.0.1", port, size, tp.rank == 0, timeout=timedelta(seconds=60))
-            tp.group = join_group(store, tp.rank, size, torch.device("cpu"))
+            connect(tp, store, torch.device("cpu"))
         runner = ModelRunner(model, 8, 16, 64, torch.float32, torch.device("cpu"), "torch")
         positions, meta, _ = consecutive_batch(seq_lens, query_lens, 16, torch.device("cpu"))
         with torch.inference_mode():

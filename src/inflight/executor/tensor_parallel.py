@@ -32,7 +32,7 @@ from inflight.executor.tp_worker import (
     STARTUP_TIMEOUT_S,
     StepInputs,
     WorkerSpec,
-    join_group,
+    connect,
     rank_device,
     run_worker,
 )
@@ -85,7 +85,7 @@ class TensorParallelWorkers:
     def join(self) -> None:
         """Once rank 0's shard is loaded: wait for the workers' shards, then form the process group."""
         self._expect("loaded")
-        self.tp.group = join_group(self.store, 0, self.tp.size, self.device)
+        connect(self.tp, self.store, self.device)
 
     def start_runners(self, runner_args: dict[str, Any]) -> None:
         """The workers build their model runners as rank 0 did (`runner_args`: ModelRunner's sizes); then the watch
@@ -160,6 +160,8 @@ class TensorParallelWorkers:
             self.failure = reason
             log.error("%s", reason)
         self._closing = True
+        if self.tp.shm is not None:  # rank 0's collective in flight, if any, fails now rather than at its timeout
+            self.tp.shm.abort()
         for process in self.processes:
             if process.exitcode is None:
                 process.kill()

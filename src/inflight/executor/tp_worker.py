@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from inflight.config import EngineConfig
 from inflight.executor.attention import AttentionMetadata
+from inflight.executor.shm_group import join_shm
 from inflight.log import setup as log_setup
+from inflight.models.parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +121,14 @@ def join_group(store: dist.Store, rank: int, size: int, device: torch.device):
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def connect(tp: TensorParallel, store: dist.Store, device: torch.device) -> None:
+    """Join `tp`'s rank to its group: the process group, and on CPUs the shared-memory group the all-reduce and
+    the gather run over (executor/shm_group.py; gloo where rank 0 cannot make one)."""
+    tp.group = join_group(store, tp.rank, tp.size, device)
+    if device.type == "cpu":
+        tp.shm = join_shm(store, tp.rank, tp.size, tp.group, COLLECTIVE_TIMEOUT_S)
+
+
 def run_worker(spec: WorkerSpec, rank: int, conn: Connection) -> None:
     """The worker's main (spawn target)."""
     log_setup(f"[tp{rank}]")
@@ -147,7 +157,6 @@ def run_worker(spec: WorkerSpec, rank: int, conn: Connection) -> None:
 def _start(spec: WorkerSpec, rank: int, conn: Connection):
     from inflight.executor.model_runner import ModelRunner
     from inflight.models.loader import load_model
-    from inflight.models.parallel import TensorParallel
 
     device = rank_device(spec.config.device, rank)
     if device.type == "cuda":
@@ -157,7 +166,7 @@ def _start(spec: WorkerSpec, rank: int, conn: Connection):
     conn.send(("loaded", None))
     timeout = timedelta(seconds=STARTUP_TIMEOUT_S)
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, False, timeout=timeout)
-    tp.group = join_group(store, rank, spec.size, device)
+    connect(tp, store, device)
     runner_args = conn.recv()
     runner = ModelRunner(model, **runner_args, dtype=spec.dtype, device=device, num_threads=spec.num_threads)
     conn.send(("ready", None))

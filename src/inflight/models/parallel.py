@@ -50,12 +50,14 @@ class Shard:
 
 @dataclass
 class TensorParallel:
-    """This process's place in the group: its rank, the group's size, and the torch.distributed group the
-    collectives run in (set once the ranks have joined; None at size 1)."""
+    """This process's place in the group: its rank, the group's size, the torch.distributed group the
+    collectives run in (set once the ranks have joined; None at size 1), and, for CPU ranks on one host, the
+    shared-memory group (executor/shm_group.py) that runs the all-reduce and the gather in its place."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    shm: Any = None
 
     def split(self, total: int, dim: int = 0) -> Shard:
         """This rank's even share of `total` rows (columns with dim=1); `check_sizes` checked it divides."""
@@ -77,8 +79,11 @@ class TensorParallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` summed, in place; `x` itself at size 1."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.size == 1:
+            return x
+        if self.shm is not None and self.shm.supports(x):
+            return self.shm.all_reduce(x)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def gather_logits(self, logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -88,11 +93,17 @@ class TensorParallel:
         if len(logits) == 0:  # every rank has the same rows: none of them communicates
             return logits.new_empty(0, vocab_size) if self.rank == 0 else None
         logits = logits.contiguous()
-        parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(logits, parts, group=self.group, group_dst=0)
-        if self.rank != 0:
-            return None
-        full = torch.cat(parts, dim=-1)
+        if self.shm is not None:
+            parts = self.shm.gather(logits)  # [size, T, V / size] on rank 0
+            if parts is None:
+                return None
+            full = parts.permute(1, 0, 2).reshape(len(logits), -1)
+        else:
+            parts = [torch.empty_like(logits) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(logits, parts, group=self.group, group_dst=0)
+            if self.rank != 0:
+                return None
+            full = torch.cat(parts, dim=-1)
         return full if full.shape[-1] == vocab_size else full[:, :vocab_size].contiguous()
 
 

@@ -277,3 +277,19 @@ def gguf_embedding(
     with record("gguf_embedding"):
         (_module or load()).gguf_embedding_rows(out, ids.contiguous(), packed, int(qtype), num_rows, width)
     return out
+
+
+def shm_all_reduce(x: torch.Tensor, flags: torch.Tensor, slots: torch.Tensor, rank: int, timeout_s: float) -> None:
+    """Contiguous fp32/bf16 `x` summed over the ranks of a shared-memory group in place (csrc/cpu/shm.h's
+    `flags` and `slots`): in rank order, in fp32, rounded once; RuntimeError if a rank is late or the group
+    aborted."""
+    with record("shm_all_reduce"):
+        (_module or load()).shm_all_reduce(x, flags, slots, rank, timeout_s)
+
+
+def shm_gather(
+    out: torch.Tensor | None, x: torch.Tensor, flags: torch.Tensor, slots: torch.Tensor, rank: int, timeout_s: float
+) -> None:
+    """Every rank's contiguous `x` into rank 0's `out` [size, *x.shape] (None on the other ranks)."""
+    with record("shm_gather"):
+        (_module or load()).shm_gather(out, x, flags, slots, rank, timeout_s)

@@ -28,4 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("moe_pack", torch::wrap_pybind_function(moe_pack), "moe_pack");
   m.def("fused_moe", torch::wrap_pybind_function(fused_moe), "fused_moe");
   m.def("llama_forward", torch::wrap_pybind_function(llama_forward), "llama_forward");
+  // The collectives release the GIL while they wait for other ranks: the rank's watch threads must run.
+  m.def("shm_all_reduce", torch::wrap_pybind_function_no_gil(shm_all_reduce), "shm_all_reduce");
+  m.def("shm_gather", torch::wrap_pybind_function_no_gil(shm_gather), "shm_gather");
 }
