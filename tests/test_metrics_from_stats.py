@@ -99,3 +99,12 @@ def test_lora_requests_info_names_running_and_waiting_adapters():
         ("", "", "4"),
     }
     assert all(v > 1e9 for v in series.values())  # set to the time (vLLM: set_to_current_time)
+
+
+def test_grammar_cache_bytes_is_a_gauge_and_a_dead_core_holds_none():
+    metrics, made = _metrics()
+    state = SchedulerStats(2, 1, 5, 59, 3, 4, STEP, 0.25, grammar_cache_bytes=3 << 20)
+    metrics.update(state, IterationStats(steps=1))
+    assert _value(made, "inflight_grammar_cache_bytes") == 3 << 20
+    metrics.update(state.idle(), IterationStats())
+    assert _value(made, "inflight_grammar_cache_bytes") == 0

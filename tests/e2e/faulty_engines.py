@@ -3,8 +3,12 @@ faults are triggered by a request's max_tokens, since the test cannot reach into
 
 from __future__ import annotations
 
+import os
+import time
+
 from inflight.engine.engine import LLMEngine
 
+START_GATE_ENV = "INFLIGHT_TEST_START_GATE"  # a file: while it exists, a GatedEngine waits before it loads
 FAIL_ONCE_MAX_TOKENS = 199  # a step fails once, after such a request has 2 tokens
 BREAK_MAX_TOKENS = 13  # every step fails from the moment such a request arrives (the device is "lost")
 
@@ -36,3 +40,14 @@ class BreakableEngine(LLMEngine):
             self.broken = True
             raise RuntimeError("device lost")
         return super().step()
+
+
+class GatedEngine(LLMEngine):
+    """Holds its core back at start while the file $INFLIGHT_TEST_START_GATE exists: a test keeps a restarted core
+    from serving until it has looked at the gap."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        gate = os.environ.get(START_GATE_ENV)
+        while gate and os.path.exists(gate):
+            time.sleep(0.05)
+        super().__init__(*args, **kwargs)

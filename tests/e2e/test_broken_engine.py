@@ -65,10 +65,11 @@ def breakable_server(demo_model_dir, tmp_path):
 def test_unrecoverable_engine_makes_the_model_not_ready(breakable_server):
     client = LLMClient(breakable_server.grpc_url, timeout_s=60)
     assert client.generate("Hello world", {"temperature": 0, "max_tokens": 4}).text
-    assert _ready(breakable_server) == 200
+    assert _ready(breakable_server) == 200 and breakable_server.serving()
     with pytest.raises(InferenceError, match="device lost"):
         client.generate("Hello world", {"max_tokens": 13})
     assert wait_for(lambda: _ready(breakable_server) != 200, timeout_s=30), "the broken model still reports ready"
+    assert not breakable_server.serving(), "the broken model's health model is still loaded"
 
 
 def test_inflight_serve_exits_when_the_model_is_no_longer_ready(demo_model_dir, tmp_path):

@@ -276,11 +276,17 @@ class StartsAtError(Recorder):
 
 
 def test_core_death_fails_in_flight_requests_at_once_and_the_core_restarts(demo_model_dir):
-    starts = []
-    loop = EngineLoop(spec(demo_model_dir), on_core_start=starts.append, restart_backoff_s=0.1).start()
+    starts, unavailable = [], []
+    recs = [StartsAtError(starts) for _ in range(3)]
+
+    def on_unavailable(reason: str) -> None:  # (reason, requests already failed): the probe turns first
+        unavailable.append((reason, sum(r.done.is_set() for r in recs)))
+
+    loop = EngineLoop(
+        spec(demo_model_dir), on_core_start=starts.append, on_unavailable=on_unavailable, restart_backoff_s=0.1
+    ).start()
     try:
         first_pid = loop.core_pid
-        recs = [StartsAtError(starts) for _ in range(3)]
         for i, rec in enumerate(recs):
             loop.submit(Submission(f"d{i}", "Hello world", SamplingParams(max_tokens=200, ignore_eos=True), rec))
         assert all(r.started.wait(30) for r in recs)
@@ -289,6 +295,7 @@ def test_core_death_fails_in_flight_requests_at_once_and_the_core_restarts(demo_
         # machine. The order is what counts: every request failed before a new core was started.
         assert all(r.done.wait(10) for r in recs), "a request hung after the core died"
         assert [r.starts_at_error for r in recs] == [1, 1, 1]
+        assert unavailable == [("the engine process died (was killed by signal SIGKILL); restarting", 0)]
         for rec in recs:
             assert rec.error is not None and rec.error[0] is ErrorKind.UNAVAILABLE
             assert "the engine process died (was killed by signal SIGKILL); restarting" in rec.error[1]
@@ -301,6 +308,23 @@ def test_core_death_fails_in_flight_requests_at_once_and_the_core_restarts(demo_
         assert after.done.wait(30) and after.error is None and after.text
         assert len(starts) == 2 and loop.totals.generation_tokens >= 3
         assert kv_freed(loop)
+    finally:
+        assert loop.stop(timeout_s=10)
+
+
+def test_a_dead_cores_gauges_go_idle_at_once_not_after_the_restart(demo_model_dir):
+    """The metrics must not show the dead core's KV blocks and running requests while a new core loads."""
+    published = []
+    loop = EngineLoop(spec(demo_model_dir), on_iteration=lambda state, _: published.append(state),
+                      metrics_interval_s=0.05, restart_backoff_s=5.0).start()  # fmt: skip
+    try:
+        first_pid = loop.core_pid
+        rec = submit(loop, max_tokens=200, ignore_eos=True)
+        assert rec.started.wait(30) and _wait(lambda: published and published[-1].num_kv_blocks_used > 0)
+        os.kill(first_pid, signal.SIGKILL)
+        assert rec.done.wait(10)
+        idle = _wait(lambda: published[-1].num_kv_blocks_used == 0 and published[-1].num_running == 0, timeout_s=3)
+        assert idle and loop.core_pid == first_pid, "the dead core's gauges stayed up until the restart"
     finally:
         assert loop.stop(timeout_s=10)
 

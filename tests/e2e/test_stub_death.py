@@ -40,6 +40,14 @@ def _generate(http: int) -> bytes | None:
         return None
 
 
+def _ready(http: int, model: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://localhost:{http}/v2/models/{model}/ready", timeout=10) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def test_serve_reloads_the_model_when_its_stub_is_killed(demo_model_dir, tmp_path):
     http, grpc, metrics = free_ports(3)
     cmd = [sys.executable, "-m", "inflight.launcher.cli", "serve", "--model", demo_model_dir, "--http-port", str(http),
@@ -52,7 +60,8 @@ def test_serve_reloads_the_model_when_its_stub_is_killed(demo_model_dir, tmp_pat
         assert wait_for(lambda: _generate(http) or proc.poll() is not None, timeout_s=180, interval_s=0.5)
         assert proc.poll() is None, log_path.read_text()
         (server,) = [pid for pid, name, _ in _children(proc.pid) if name.startswith("tritonserver")]
-        (stub,) = [pid for pid, name, alive in _children(server) if name.startswith("triton_python") and alive]
+        (stub,) = [pid for pid, name, alive in _children(server) if name.startswith("triton_python") and alive
+                   and b"llm_0_0" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]  # fmt: skip
         argv = Path(f"/proc/{server}/cmdline").read_bytes().split(b"\0")
         prefixes = [a.rsplit(b"=", 1)[1].decode() for a in argv if a.startswith(b"--backend-config=python,shm-region")]
         os.kill(stub, signal.SIGKILL)
@@ -62,6 +71,9 @@ def test_serve_reloads_the_model_when_its_stub_is_killed(demo_model_dir, tmp_pat
         assert proc.poll() is None
         text = log_path.read_text()
         assert f"stub (pid {stub}) died" in text and "reloaded in" in text
+        # The supervisor unloaded the health model for the reload; the new stub loads it again once it serves.
+        assert "successfully unloaded 'llm_health'" in text
+        assert wait_for(lambda: _ready(http, "llm_health"), timeout_s=60, interval_s=0.5)
         (prefix,) = prefixes  # this launch's shared-memory regions are its own
         assert list(Path("/dev/shm").glob(prefix + "*"))
         os.killpg(proc.pid, signal.SIGINT)

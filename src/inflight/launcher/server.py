@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -29,6 +30,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from inflight.launcher.triton_dist import LauncherError, find_server, prepare_backends, server_env
+from inflight.serving.health import HEALTH_MODEL_PARAMETER, health_model_name
 
 __all__ = ["LauncherError", "TritonServer", "free_port", "free_ports", "write_model_repository", "write_multi_lora"]
 
@@ -186,6 +188,8 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self.run_dir: Path | None = None
         self._log_file = None
+        self.health_model: str | None = None  # the readiness companion of MODEL_NAME (serving/health.py), once started
+        self._stub_argv: dict[int, tuple[str, ...]] = {}  # stub pid -> its command line, as seen alive
 
     @property
     def grpc_url(self) -> str:
@@ -230,6 +234,7 @@ class TritonServer:
             repository = write_model_repository(
                 self.source, self.run_dir / "model_repository", self.parameters, lora_modules=self.lora_modules
             )
+            self.health_model = health_model_name(MODEL_NAME, _parameter(repository, HEALTH_MODEL_PARAMETER))
             env = server_env(self.dist)
             env.pop(LORA_ADMIN_KEY_ENV, None)  # only this launch's key, never one inherited
             if self.lora_admin_key:
@@ -259,10 +264,11 @@ class TritonServer:
         return self
 
     def wait_ready(self, timeout_s: float = 300.0, model: str = MODEL_NAME) -> None:
-        """Block until the model is ready and the metrics endpoint answers (tritonserver starts it after the
-        HTTP one); raise with the log's tail if the server dies first."""
+        """Block until the model is ready, its health model too (the engine serves), and the metrics endpoint
+        answers (tritonserver starts it after the HTTP one); raise with the log's tail if the server dies first."""
         deadline = time.monotonic() + timeout_s
-        for url in (f"{self.http_url}/v2/models/{model}/ready", self.metrics_url):
+        health = [self.health_model] if model == MODEL_NAME and self.health_model else []
+        for url in [f"{self.http_url}/v2/models/{m}/ready" for m in (model, *health)] + [self.metrics_url]:
             while not self._answers(url):
                 if self.process is None or self.process.poll() is not None:
                     code = None if self.process is None else self.process.returncode
@@ -275,6 +281,11 @@ class TritonServer:
     def model_ready(self, model: str = MODEL_NAME) -> bool:
         """Whether `/v2/models/{model}/ready` says yes now."""
         return self._answers(f"{self.http_url}/v2/models/{model}/ready")
+
+    def serving(self) -> bool:
+        """Whether the readiness probe says yes now: the health model's (it exists only while the engine serves),
+        or the model's own where it has none."""
+        return self.model_ready(self.health_model or MODEL_NAME)
 
     @staticmethod
     def _answers(url: str) -> bool:
@@ -302,6 +313,16 @@ class TritonServer:
             return None
         return next((m.get("state") for m in index if m.get("name") == model), "UNAVAILABLE")
 
+    def unload_model(self, model: str) -> str | None:
+        """Unload `model` through the repository API; None on success, else the error."""
+        try:
+            with urllib.request.urlopen(self._repository_post(f"models/{model}/unload"), timeout=30):
+                return None
+        except urllib.error.HTTPError as e:
+            return f"HTTP {e.code}: {e.read().decode(errors='replace')[:500]}"
+        except (urllib.error.URLError, OSError) as e:
+            return str(e)
+
     def load_model(self, model: str = MODEL_NAME, timeout_s: float = STUB_RELOAD_TIMEOUT_S) -> str | None:
         """(Re)load `model` through the repository API (a loaded model is replaced by a fresh copy once the
         new one is ready); None on success, else the error."""
@@ -313,9 +334,11 @@ class TritonServer:
         except (urllib.error.URLError, OSError) as e:
             return str(e)
 
-    def stub_pids(self) -> dict[int, bool]:
-        """tritonserver's Python backend stubs: {pid: alive}. A killed stub stays a zombie child (tritonserver
-        does not reap it), so it is found dead rather than gone."""
+    def stub_pids(self, model: str = MODEL_NAME) -> dict[int, bool]:
+        """`model`'s Python backend stubs: {pid: alive}. A killed stub stays a zombie child (tritonserver does not
+        reap it), so it is found dead rather than gone. A stub's model is read from its command line (its
+        instance name, `<model>_<group>_<n>`) while it is alive: a zombie has none, so only stubs seen alive
+        are known (the health model's stubs come and go)."""
         if self.process is None:
             return {}
         try:
@@ -325,10 +348,15 @@ class TritonServer:
         stubs = {}
         for child in children:
             try:
-                if child.name().startswith("triton_python"):
-                    stubs[child.pid] = child.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+                if not child.name().startswith("triton_python"):
+                    continue
+                alive = child.status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+                if alive and child.pid not in self._stub_argv:
+                    self._stub_argv[child.pid] = tuple(child.cmdline())
             except psutil.Error:  # gone meanwhile
                 continue
+            if any(re.fullmatch(rf"{re.escape(model)}_\d+_\d+", arg) for arg in self._stub_argv.get(child.pid, ())):
+                stubs[child.pid] = alive
         return stubs
 
     def shm_regions(self) -> list[Path]:
@@ -382,6 +410,13 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _parameter(repository: Path, key: str, model: str = MODEL_NAME) -> str | None:
+    """A `parameters` value of `model`'s config.pbtxt in `repository` (None when it has none)."""
+    config = model_config_pb2.ModelConfig()
+    text_format.Parse((repository / model / "config.pbtxt").read_text(), config)
+    return config.parameters[key].string_value if key in config.parameters else None
 
 
 def _die_with_parent() -> None:

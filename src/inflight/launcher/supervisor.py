@@ -56,6 +56,8 @@ class StubWatch:
             f"model {MODEL_NAME!r}: its Python backend stub (pid {pids}) died (killed?); requests fail until it is "
             "back: reloading the model"
         )
+        if self.server.health_model:  # the probe turns false now; the reloaded model loads it again once it serves
+            self.server.unload_model(self.server.health_model)
         error = self.server.load_model()
         if error is not None:
             say(f"model {MODEL_NAME!r} could not be reloaded ({error}); stopping with exit code {STUB_DEAD_EXIT_CODE}")

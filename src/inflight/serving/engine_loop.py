@@ -107,19 +107,23 @@ class EngineLoop:
         cancel_interval_s: float = 0.05,
         metrics_interval_s: float = 0.5,
         on_core_start: Callable[[core_messages.Ready], None] | None = None,
+        on_unavailable: Callable[[str], None] | None = None,
         max_restarts: int = MAX_RESTARTS,
         restart_window_s: float = RESTART_WINDOW_S,
         restart_backoff_s: float = RESTART_BACKOFF_S,
     ) -> None:
         """`on_iteration(state, counts)` publishes metrics (at most every metrics_interval_s; `counts` since its
         previous call); `on_broken(reason)`
-        is called once when the engine cannot serve again; `on_core_start(ready)` after each (re)start.
-        All three from the responder thread (the first start's from start())."""
+        is called once when the engine cannot serve again; `on_core_start(ready)` after each (re)start;
+        `on_unavailable(reason)` when the engine stops serving (its core died, or it broke), before the requests
+        in flight are failed: a readiness probe turns false before anyone is refused.
+        All from the responder thread (the first start's from start())."""
         self.spec = spec
         self.tokenizer = load_tokenizer(spec.model_dir)  # the front tokenizes and detokenizes; the core computes
         self._on_iteration = on_iteration
         self._on_broken = on_broken
         self._on_core_start = on_core_start
+        self._on_unavailable = on_unavailable
         self._cancel_interval_s = cancel_interval_s
         self._metrics_interval_s = metrics_interval_s
         self._max_restarts = max_restarts
@@ -237,10 +241,13 @@ class EngineLoop:
         with self._lock:
             self._unavailable = reason
             active_requests, self._active = self._active, {}
+        if self._on_unavailable is not None:
+            _safe(self._on_unavailable, reason)
         for active in active_requests.values():
             active.fail(ErrorKind.UNAVAILABLE, reason)
         core.close()
         self._forget_core()
+        self._publish()  # now: the restart below blocks this thread for the backoff and the model's load
         now = time.monotonic()
         self._deaths.append(now)
         while self._deaths and now - self._deaths[0] > self._restart_window_s:
@@ -274,6 +281,8 @@ class EngineLoop:
         with self._lock:
             self._broken = reason
             active_requests, self._active = self._active, {}
+        if self._on_unavailable is not None:
+            _safe(self._on_unavailable, reason)
         for active in active_requests.values():
             active.fail(ErrorKind.UNAVAILABLE, f"the engine is unavailable: {reason}")
         if self._on_broken is not None:

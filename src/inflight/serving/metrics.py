@@ -90,6 +90,9 @@ GAUGES: dict[str, tuple[Name, ...]] = {
     "max_arrival_spread": _names(
         ("inflight_batch_arrival_spread_max_seconds", "Largest arrival spread of any step so far")
     ),
+    "grammar_cache_bytes": _names(
+        ("inflight_grammar_cache_bytes", "Bytes of compiled grammars cached (bounded by max_grammar_cache_bytes)")
+    ),
 }
 LORA_INFO = ("vllm:lora_requests_info", "Running stats on lora requests.")
 MAX_LORA_INFO_SERIES = 256
@@ -226,6 +229,7 @@ class TritonMetrics:
             "kv_blocks_cached": state.num_kv_blocks_cached,
             "kv_usage": state.num_kv_blocks_used / total_blocks if total_blocks else 0.0,
             "occupancy": state.num_running / state.max_num_seqs,
+            "grammar_cache_bytes": state.grammar_cache_bytes,
         }
         step = state.last_step
         if step is not None and counts.steps:  # a new step since the last update

@@ -39,12 +39,13 @@ from inflight.serving.codec import (
     lora_admin_request,
 )
 from inflight.serving.engine_loop import EngineLoop, Submission
+from inflight.serving.health import HEALTH_MODEL_PARAMETER, HealthModel, health_model_name
 from inflight.serving.metrics import TritonMetrics
 
 log = logging.getLogger("inflight.server")
 
 # The rest of config.pbtxt's parameters are EngineConfig fields.
-SERVER_PARAMETERS = ("model", "step_log", "stream_interval")
+SERVER_PARAMETERS = ("model", "step_log", "stream_interval", HEALTH_MODEL_PARAMETER)
 
 
 # ---- model settings (config.pbtxt parameters) --------------------------------------------------------
@@ -59,6 +60,7 @@ class ServerSettings:
     # response goes out with its first token, its last whenever it ends). Fewer, larger responses cost the
     # server, the Python backend's IPC and the client less per token; 1 sends every token at once.
     stream_interval: int = 1
+    health_model: str = ""  # the readiness companion's name ("" = `<model>_health`, "none": none; health.py)
 
     @classmethod
     def from_parameters(cls, parameters: dict[str, str], multi_lora: Path | None = None) -> ServerSettings:
@@ -86,7 +88,7 @@ class ServerSettings:
             model_path = str(resolve_model(model))  # "" = the default model, "demo" = the demo checkpoint
         except ModelSourceError as e:
             raise ConfigError(f"config.pbtxt parameter model={model!r}: {e}") from None
-        return cls(model_path, config, step_log, stream_interval)
+        return cls(model_path, config, step_log, stream_interval, parameters.get(HEALTH_MODEL_PARAMETER, ""))
 
 
 def read_multi_lora(path: Path) -> dict[str, str]:
@@ -234,10 +236,17 @@ class TritonPythonModel:
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.metrics = _make_metrics(labels)
         on_iteration = self.metrics.update if self.metrics is not None else None  # (state, counts)
-        on_core_start = self.metrics.core_started if self.metrics is not None else None
         self.model_name = args["model_name"]
+        health = health_model_name(self.model_name, settings.health_model)
+        self.health = HealthModel(pb_utils, self.model_name, health) if health else None
         spec = CoreSpec(settings.model_dir, settings.engine_config, self.engine_class, settings.step_log)
-        self.loop = EngineLoop(spec, on_iteration, on_broken=self._on_broken, on_core_start=on_core_start).start()
+        self.loop = EngineLoop(
+            spec,
+            on_iteration,
+            on_broken=self._on_broken,
+            on_core_start=self._on_core_start,
+            on_unavailable=self._on_unavailable,
+        ).start()
         self.tokenizer = self.loop.tokenizer  # the front's own: prompts and logprob text
         self._ids = itertools.count()
         info = self.loop.info
@@ -298,6 +307,18 @@ class TritonPythonModel:
         message = LoRAAdmin(f"{next(self._ids)}-lora", body["action"], body["lora_name"], body.get("lora_path"))
         self.loop.lora_admin(message, _AdminWriter(request, sender, message))
 
+    def _on_core_start(self, ready) -> None:
+        if self.metrics is not None:
+            self.metrics.core_started(ready)
+        if self.health is not None:
+            self.health.serving()  # loaded once this model is READY (at start: once the server runs)
+
+    def _on_unavailable(self, reason: str) -> None:
+        """The engine stopped serving: the readiness probe turns false before the requests in flight are failed
+        (bounded: a stuck unload must not keep them waiting)."""
+        if self.health is not None and not self.health.unavailable(wait_s=2.0):
+            log.warning("%r is still loaded 2 s after the engine stopped serving", self.health.name)
+
     def _on_broken(self, reason: str) -> None:
         """The engine cannot serve again: unload the model so that Triton reports it not ready (a load
         balancer then routes elsewhere). 2.51's Python backend has no other way for a model to change its
@@ -320,6 +341,9 @@ class TritonPythonModel:
         )
 
     def finalize(self) -> None:
+        health = getattr(self, "health", None)
+        if health is not None:
+            health.stop()
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.stop(timeout_s=10.0):
             log.warning("the responder thread is still busy after 10 s; leaving it behind")

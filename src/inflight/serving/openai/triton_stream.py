@@ -33,6 +33,7 @@ from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
 from inflight.errors import ErrorKind, read_tagged
 from inflight.limits import ModelLimits
+from inflight.serving.health import HEALTH_MODEL_PARAMETER, health_model_name
 
 
 class TritonUnavailable(RuntimeError):
@@ -107,6 +108,7 @@ class TritonLLM:
         self.stream_timeout_s = stream_timeout_s  # 0: none
         self._client: grpcaio.InferenceServerClient | None = None
         self._draining: set[asyncio.Task] = set()
+        self._probed: list[str] | None = None  # the models whose readiness says the engine serves
 
     @property
     def client(self) -> grpcaio.InferenceServerClient:
@@ -136,9 +138,15 @@ class TritonLLM:
         return ModelLimits.from_parameters(await self.parameters(), native_max_model_len)
 
     async def ready(self) -> bool:
+        """The model is READY and its engine serves: its readiness companion (`inflight.serving.health`, named
+        in its config) is loaded too. The model alone stays READY while its engine core restarts."""
         try:
-            return await self.client.is_model_ready(self.model, client_timeout=5)
-        except InferenceServerException:
+            if self._probed is None:
+                health = health_model_name(self.model, (await self.parameters()).get(HEALTH_MODEL_PARAMETER))
+                self._probed = [self.model] + ([health] if health else [])
+            answers = await asyncio.gather(*(self.client.is_model_ready(m, client_timeout=5) for m in self._probed))
+            return all(answers)
+        except (InferenceServerException, TritonUnavailable):
             return False
 
     async def generate(
