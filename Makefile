@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: install install-dynamo serve-cluster test-cluster test serve lint bench bench-gguf bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile core-kills aiperf-openai
+.PHONY: install install-dynamo serve-cluster test-cluster test serve lint bench bench-gguf bench-peers bench-peers-served bench-serving loadtest kernel-resources aiperf hostile core-kills aiperf-openai soak
 
 $(VENV)/.installed: pyproject.toml scripts/install.sh
 	bash scripts/install.sh $(VENV) test
@@ -72,6 +72,10 @@ hostile: install
 ## SIGKILL the engine core 20 times under streaming load: 0 hung requests, time until served again (table, JSON, plot).
 core-kills: install
 	$(PY) -m loadtest.core_kills $(CORE_KILLS_ARGS)
+
+## Soak: SOAK_MINUTES (30) of mixed load (gRPC, OpenAI, JSON schema, long prompts, cancels, hostile) on SmolLM2 with the core killed every 5 min, the OpenAI front restarted once; PASS/MISS, JSON and a plot in benchmarks/results/soak/.
+soak: install
+	SOAK_MINUTES=$(or $(SOAK_MINUTES),30) $(PY) -m loadtest.soak $(SOAK_ARGS)
 
 AIPERF_OPENAI_VENV ?= .cache/aiperf-venv
 

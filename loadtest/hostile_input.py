@@ -27,12 +27,14 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from inflight.config import EngineConfig
+if TYPE_CHECKING:  # imported in main(): the soak's Locust process runs the attacks without torch
+    from inflight.config import EngineConfig
 
 ENGINE_ARGS = {"max_num_seqs": 16, "max_model_len": 2048, "num_kv_blocks": 512}
 TTFT_LIMIT_S = 2.0
@@ -87,14 +89,14 @@ def http(method: str, url: str, body: bytes | None = None, headers: dict | None 
         return None, repr(e)[:160]
 
 
-def openai_post(api: str, path: str, payload: dict | bytes) -> tuple[int | None, str]:
+def openai_post(api: str, path: str, payload: dict | bytes, headers: dict | None = None) -> tuple[int | None, str]:
     body = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
     if len(body) > 1 << 20:
-        return post_announced(api, path, body)
-    return http("POST", f"{api}{path}", body, {"Content-Type": "application/json"})
+        return post_announced(api, path, body, headers)
+    return http("POST", f"{api}{path}", body, {"Content-Type": "application/json", **(headers or {})})
 
 
-def post_announced(api: str, path: str, body: bytes) -> tuple[int | None, str]:
+def post_announced(api: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int | None, str]:
     """A large body announced by its Content-Length: a server that refuses it answers before reading it, so
     the answer is read first (a client still writing would only see the connection close)."""
     import http.client
@@ -106,6 +108,8 @@ def post_announced(api: str, path: str, body: bytes) -> tuple[int | None, str]:
     conn.putrequest("POST", path)
     conn.putheader("Content-Type", "application/json")
     conn.putheader("Content-Length", str(len(body)))
+    for name, value in (headers or {}).items():
+        conn.putheader(name, value)
     conn.endheaders()
     early = bool(select.select([conn.sock], [], [], 2.0)[0])
     if not early:  # it wants the body
@@ -142,6 +146,7 @@ def attacks(ctx: dict[str, Any], config: EngineConfig) -> list[Attack]:
     from inflight_client import InferenceError
 
     client, api, http_url, launcher = ctx["client"], ctx["api"], ctx["http"], ctx["launcher"]
+    post = partial(openai_post, headers=ctx.get("api_headers"))  # the front's API key, where it has one
 
     def grpc(prompt: str, params: dict) -> str:
         try:
@@ -157,7 +162,7 @@ def attacks(ctx: dict[str, Any], config: EngineConfig) -> list[Attack]:
         threads = [
             threading.Thread(
                 target=lambda s=s: waits.append(
-                    openai_post(
+                    post(
                         api,
                         "/v1/chat/completions",
                         {
@@ -179,7 +184,7 @@ def attacks(ctx: dict[str, Any], config: EngineConfig) -> list[Attack]:
         time.sleep(0.5)
         t0 = time.monotonic()
         tiny = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-        status, _ = openai_post(api, "/v1/chat/completions", {
+        status, _ = post(api, "/v1/chat/completions", {
             "model": "llm", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
             "response_format": {"type": "json_schema", "json_schema": {"name": "tiny", "schema": tiny}},
         })  # fmt: skip
@@ -248,17 +253,15 @@ def attacks(ctx: dict[str, Any], config: EngineConfig) -> list[Attack]:
         Attack("two 210 KB schemas, then a tiny one", tiny_schema_during_big_compiles),
         Attack(
             "OpenAI: 100 MB prompt",
-            lambda: openai_post(
-                api, "/v1/completions", {"model": "llm", "prompt": "word " * 20_000_000, "max_tokens": 4}
-            ),
+            lambda: post(api, "/v1/completions", {"model": "llm", "prompt": "word " * 20_000_000, "max_tokens": 4}),
         ),  # fmt: skip
         Attack(
             "OpenAI: 4M token ids",
-            lambda: openai_post(api, "/v1/completions", {"model": "llm", "prompt": [7] * 4_000_000, "max_tokens": 4}),
+            lambda: post(api, "/v1/completions", {"model": "llm", "prompt": [7] * 4_000_000, "max_tokens": 4}),
         ),  # fmt: skip
         Attack(
             "OpenAI: 600k chat messages",
-            lambda: openai_post(
+            lambda: post(
                 api,
                 "/v1/chat/completions",
                 {"model": "llm", "messages": [{"role": "user", "content": "hi"}] * 600_000, "max_tokens": 4},
@@ -266,7 +269,7 @@ def attacks(ctx: dict[str, Any], config: EngineConfig) -> list[Attack]:
         ),  # fmt: skip
         Attack(
             "OpenAI: chat_template_kwargs.messages",
-            lambda: openai_post(
+            lambda: post(
                 api,
                 "/v1/chat/completions",
                 {
@@ -361,6 +364,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     from inflight_client import LLMClient
 
+    from inflight.config import EngineConfig
     from inflight.launcher.server import free_port
 
     args.out.mkdir(parents=True, exist_ok=True)
