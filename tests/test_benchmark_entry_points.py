@@ -273,6 +273,15 @@ def test_bench_decode_step(demo_model_dir):
     assert "float32: copy bandwidth" in text and "prefill 16 tokens" in text
 
 
+def test_bench_tensor_parallel_times_one_and_two_ranks(demo_model_dir, tmp_path):
+    out = tmp_path / "tp.json"
+    args = ["--model", demo_model_dir, "--batch", "2", "--context", "16", "--steps", "2", "--out", str(out)]
+    run("benchmarks.engine.bench_tensor_parallel", *args)
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["tp"] for r in runs] == [1, 2] and runs[1]["collectives_per_step"] == 2 * 4 + 2  # 4 layers
+    assert runs[0]["collective_ms"] == 0 and 0 < runs[1]["collective_share_of_forward"] <= 1
+
+
 def test_bench_graphs_alternates_eager_and_graph_rounds(demo_model_dir, tmp_path):
     # On a CPU both modes are eager (graphs need a GPU): this checks the rounds and the step split only.
     out = tmp_path / "graphs.json"
@@ -338,6 +347,20 @@ def test_peers_served_names_what_it_lacks(tmp_path):
         cwd=ROOT, env=dict(os.environ) | {"PYTHONPATH": str(ROOT)} | env, capture_output=True, text=True,
     )  # fmt: skip
     assert done.returncode != 0 and "no aiperf in" in done.stderr and "make aiperf-openai" in done.stderr
+
+
+@pytest.mark.slow
+def test_cost_per_token(tmp_path):
+    args = ["--model", "demo", "--concurrency", "1", "2", "--requests-per-client", "1", "--min-requests", "2",
+            "--output-len", "8", "--prompt-len", "8", "16", "--idle-s", "0.2", "--rounds", "1"]  # fmt: skip
+    text = run("benchmarks.serving.cost_per_token", *args, "--out", str(tmp_path / "cost.json"), timeout=400)
+    result = json.loads((tmp_path / "cost.json").read_text())
+    cells = {(p, c) for p in ("grpc", "openai") for c in (1, 2)}
+    assert {(r["path"], r["concurrency"]) for r in result["rows"]} == cells
+    for row in result["rows"]:
+        assert row["served_cpu_ms_per_token"] > 0 and row["in_process_cpu_ms_per_token"] > 0
+        assert {"tritonserver", "stub llm", "engine core"} <= set(row["by_process_cpu_ms_per_token"])
+    assert "served" in text and (tmp_path / "cost.png").read_bytes()[:8] == PNG
 
 
 @pytest.mark.slow

@@ -177,3 +177,33 @@ def spec_decode_rounds(rows: list[dict], targets: dict[str, float], path: Path) 
     ax.set_title("Speculative decoding: each round's paired ratio, median, target (red)")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+def cost_per_token_bars(result: dict, path: Path) -> Path:
+    """CPU ms per output token by concurrency: in-process (grey) beside each served path, stacked by process,
+    with served ÷ in-process over each served bar."""
+    rows = result["rows"]
+    levels = sorted({r["concurrency"] for r in rows})
+    paths = list(dict.fromkeys(r["path"] for r in rows))
+    parts = list(dict.fromkeys(k for r in rows for k in r["by_process_cpu_ms_per_token"]))
+    colors = dict(zip(parts, plt.get_cmap("tab10").colors))
+    width = 0.8 / (1 + len(paths))
+    fig, ax = plt.subplots(figsize=(SIZE[0] * 1.3, SIZE[1] * 1.2))
+    for i, c in enumerate(levels):
+        cell = {r["path"]: r for r in rows if r["concurrency"] == c}
+        base = next(iter(cell.values()))["in_process_cpu_ms_per_token"]
+        ax.bar(i - 0.4 + width / 2, base, width, color="tab:gray", label="in-process" if i == 0 else None)
+        for j, name in enumerate(paths):
+            if name not in cell:
+                continue
+            x, bottom = i - 0.4 + width * (j + 1.5), 0.0
+            for part, value in cell[name]["by_process_cpu_ms_per_token"].items():
+                ax.bar(x, value, width, bottom=bottom, color=colors[part], label=part if i == 0 and j == 0 else None)
+                bottom += value
+            ax.text(x, bottom, f"{name}\n{cell[name]['ratio']:.2f}×", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(levels)), [f"{c} in flight" for c in levels])
+    ax.set_ylabel("CPU ms per output token")
+    ax.set_title("Server-side CPU per token, served ÷ in-process over each bar (lower is better)")
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    return _save(fig, path)
