@@ -400,3 +400,23 @@ def test_the_api_key_is_required_on_v1_only(server, demo_model_dir):
         assert client.completions.create(model="llm", prompt="Hello", max_tokens=2).choices[0].text
         with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as reply:
             assert reply.status == 200
+
+
+def test_health_says_ready_only_once_the_front_can_render_a_prompt(server, demo_model_dir):
+    """A front that says 200 before it has its tokenizer and chat template makes the first requests a balancer
+    sends wait for that load: it loads them as soon as Triton answers, and says ready only then."""
+    import urllib.error
+    import urllib.request
+
+    with OpenAIServer(server.grpc_url, port=0, host="127.0.0.1", model_dir=demo_model_dir) as srv:
+        served = srv._server.config.app.state.served_model
+
+        def healthy() -> bool:
+            try:
+                with urllib.request.urlopen(f"{srv.url}/health", timeout=10) as reply:
+                    return reply.status == 200
+            except urllib.error.HTTPError:
+                return False
+
+        assert wait_for(healthy, timeout_s=120)
+        assert served._renderer is not None, "/health said ready before the tokenizer and chat template were loaded"

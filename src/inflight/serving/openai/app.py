@@ -95,6 +95,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        served.prepared()  # the tokenizer and chat template load while Triton starts, not on the first request
         yield
         await served.llm.close()
 
@@ -128,7 +129,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if await served.llm.ready() else 503)
+        """Ready: the engine serves (Triton's readiness, health model included) and this front can render a
+        prompt at once."""
+        ready = await served.llm.ready() and served.prepared()
+        return Response(status_code=200 if ready else 503)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -5,6 +5,7 @@ name (vLLM's rule), listed by the Triton model itself (`lora_admin` {"action": "
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -49,6 +50,21 @@ class ServedModel:
         self._listed_at = 0.0
         self._list_lock = asyncio.Lock()
         self._paths: dict[str, str] = {}  # directories of the adapters loaded through this front
+        self._preparing: asyncio.Task | None = None
+
+    def prepared(self) -> bool:
+        """Whether the tokenizer and chat template are loaded, so that a request need not wait for them; if
+        not, their load starts now (in the background; one that fails, e.g. Triton not up yet, is retried at
+        the next call)."""
+        if self._renderer is not None:
+            return True
+        if self._preparing is None or self._preparing.done():
+            self._preparing = asyncio.create_task(self._prepare())
+        return False
+
+    async def _prepare(self) -> None:
+        with contextlib.suppress(Exception):  # logged where a request meets it; the next probe tries again
+            await self.renderer()
 
     async def renderer(self) -> PromptRenderer:
         if self._renderer is not None:
