@@ -37,6 +37,8 @@ void lora_apply(at::Tensor out, at::Tensor x, at::Tensor a, at::Tensor b, at::Te
 at::Tensor moe_pack(at::Tensor w, bool gate_up);
 void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::Tensor topk_weights,
                at::Tensor topk_ids, int64_t min_macs_per_thread);
+void moe_route(at::Tensor topk_weights, at::Tensor topk_ids, at::Tensor x, at::Tensor weight, bool renormalize,
+               int64_t min_macs_per_thread);
 void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                    at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
