@@ -12,12 +12,24 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from inflight.config import ConfigError
 from inflight.models.config import ModelConfig
 from inflight.models.llama import MLP, LlamaForCausalLM, StepMetadata
-from inflight.ops import reference
+
+
+class Router(nn.Module):
+    """The router's linear over the experts (HF's `gate`, no bias), its weight kept as it is: `pack_linears` leaves
+    it, so that the backend's routing op (`select_experts`) can read it alongside the softmax and top-k."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 class FusedExperts(nn.Module):
@@ -73,7 +85,7 @@ class SparseMoeBlock(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.top_k, self.renormalize = moe.top_k, moe.renormalize
-        self.gate = nn.Linear(h, moe.num_experts, bias=False)
+        self.gate = Router(h, moe.num_experts)
         self.experts = FusedExperts(moe.num_experts, h, moe.intermediate_size)
         self.shared_expert: MLP | None = None
         if moe.shared_expert_intermediate_size:
@@ -85,7 +97,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert.fuse()
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, ops: Any) -> torch.Tensor:
-        topk_weights, topk_ids = reference.select_experts(self.gate(x), self.top_k, self.renormalize)
+        topk_weights, topk_ids = ops.select_experts(x, self.gate, self.top_k, self.renormalize)
         out = ops.fused_moe(x, self.experts, topk_weights, topk_ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, meta, ops)

@@ -199,6 +199,22 @@ def fused_moe(
     return out
 
 
+# Router work below which its rows stay on the calling thread: a step's router is far below a pool wake-up's cost.
+MIN_ROUTER_MACS_PER_THREAD = 1 << 22
+
+
+def moe_route(
+    x: torch.Tensor, weight: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.select_experts` of x [T, H] @ weight [E, H]^T (x's dtype, rows contiguous) in one pass a row:
+    (topk_weights fp32 [T, k], topk_ids int32 [T, k])."""
+    weights = torch.empty((x.shape[0], top_k), dtype=torch.float32)
+    ids = torch.empty((x.shape[0], top_k), dtype=torch.int32)
+    with record("moe_route"):
+        (_module or load()).moe_route(weights, ids, x, weight, renormalize, MIN_ROUTER_MACS_PER_THREAD)
+    return weights, ids
+
+
 _NO_SEGMENTS = torch.empty((0, 5), dtype=torch.int64)
 _NO_SLOTS = torch.empty(0, dtype=torch.int32)
 

@@ -144,6 +144,25 @@ class TorchBackend:
             return
         reference.lora_apply(out, x, lora.a, lora.b, lora.offsets, token_slots)
 
+    def select_experts(
+        self, x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fp32 [T, k] weights, int32 [T, k] ids
+        """The router (`gate`, a linear over the experts) and `reference.select_experts`: one C++ pass a row on CPU
+        where the gate holds a plain weight in x's dtype; otherwise the gate's linear, then the torch reference."""
+        weight = getattr(gate, "weight", None)
+        if (
+            self.native
+            and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.bfloat16)
+            and isinstance(weight, torch.Tensor)
+            and weight.dtype == x.dtype
+            and getattr(gate, "bias", None) is None
+            and x.dim() == 2
+            and x.stride(-1) == 1
+        ):
+            return cpu.moe_route(x, weight, top_k, renormalize)
+        return reference.select_experts(gate(x), top_k, renormalize)
+
     def fused_moe(
         self,
         x: torch.Tensor,  # [T, H]

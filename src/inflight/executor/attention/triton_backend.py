@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from inflight.executor.attention.metadata import AttentionMetadata
+from inflight.ops import reference
 from inflight.ops.triton.fused_moe import fused_moe
 from inflight.ops.triton.kv_write import write_kv
 from inflight.ops.triton.lora import LoRAKernelMeta, lora_apply, lora_kernel_meta
@@ -133,6 +134,12 @@ class TritonBackend:
     def num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, max_query_len: int, device: torch.device) -> int:
         """The split-K count `plan` would pick for such a step."""
         return num_kv_splits(num_seqs, num_kv_heads, max_seq_len, max_query_len, device_sm_count(device))
+
+    def select_experts(
+        self, x: torch.Tensor, gate: torch.nn.Module, top_k: int, renormalize: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fp32 [T, k] weights, int32 [T, k] ids
+        """The router's linear, then HF's softmax and top-k in torch."""
+        return reference.select_experts(gate(x), top_k, renormalize)
 
     def fused_moe(
         self,

@@ -27,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_apply", torch::wrap_pybind_function(lora_apply), "lora_apply");
   m.def("moe_pack", torch::wrap_pybind_function(moe_pack), "moe_pack");
   m.def("fused_moe", torch::wrap_pybind_function(fused_moe), "fused_moe");
+  m.def("moe_route", torch::wrap_pybind_function(moe_route), "moe_route");
   m.def("llama_forward", torch::wrap_pybind_function(llama_forward), "llama_forward");
   // The collectives release the GIL while they wait for other ranks: the rank's watch threads must run.
   m.def("shm_all_reduce", torch::wrap_pybind_function_no_gil(shm_all_reduce), "shm_all_reduce");

@@ -42,6 +42,8 @@ void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::
 void shm_all_reduce(at::Tensor x, at::Tensor flags, at::Tensor slots, int64_t rank, double timeout_s);
 void shm_gather(std::optional<at::Tensor> out, at::Tensor x, at::Tensor flags, at::Tensor slots, int64_t rank,
                 double timeout_s);
+void moe_route(at::Tensor topk_weights, at::Tensor topk_ids, at::Tensor x, at::Tensor weight, bool renormalize,
+               int64_t min_macs_per_thread);
 void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tensor cos, at::Tensor sin,
                    at::Tensor slot_mapping, at::Tensor block_tables, at::Tensor seq_lens,
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,

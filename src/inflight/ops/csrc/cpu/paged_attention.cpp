@@ -24,8 +24,29 @@ static inline __m512 sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 #define HAVE_SIMD_ATTENTION 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+// AVX2 pieces (head sizes that are multiples of 8): the same passes in eight lanes.
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+// Eight vectors -> one vector of their eight horizontal sums, in a fixed tree: lane i is the sum of v[i]'s lanes.
+static inline __m256 sum8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#define HAVE_SIMD_ATTENTION 1
 #else
 #define HAVE_SIMD_ATTENTION 0
+#endif
+// Lanes of the SIMD path's vectors: a head size must be a whole number of them.
+#ifdef __AVX512F__
+constexpr int64_t SIMD_LANES = 16;
+#else
+constexpr int64_t SIMD_LANES = 8;
 #endif
 
 // One query row's state for its task's heads: x = local head * G + group member.
@@ -47,7 +68,36 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
   float* __restrict__ acc = s.acc;
   float* __restrict__ sc = s.sc;
   if constexpr (SIMD) {
-#if HAVE_SIMD_ATTENTION
+#if HAVE_SIMD_ATTENTION && !defined(__AVX512F__)
+    // Eight tokens at a time, as the AVX-512 pass below does sixteen.
+    constexpr int C = D_FIXED / 8;
+    const int64_t passes = nh * G * ((n + 7) / 8), share = (s.pf_n + passes - 1) / passes;
+    int64_t pf_i = 0;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      for (int64_t i0 = 0; i0 < n; i0 += 8) {
+        const int64_t nc = std::min<int64_t>(8, n - i0);
+        const kv_t* __restrict__ k0 = kb + i0 * row_stride + hh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t x = hh * G + g;
+          const float* __restrict__ qx = q + x * D;
+          __m256 v[8];
+          for (const int64_t e = std::min(s.pf_n, pf_i + share); pf_i < e; ++pf_i) __builtin_prefetch(s.pf[pf_i]);
+          for (int64_t i = 0; i < 8; ++i) {
+            if (i >= nc) {
+              v[i] = _mm256_setzero_ps();
+              continue;
+            }
+            const kv_t* __restrict__ k = k0 + i * row_stride;
+            v[i] = _mm256_mul_ps(_mm256_loadu_ps(qx), load8(k));
+            for (int c = 1; c < C; ++c) v[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qx + 8 * c), load8(k + 8 * c), v[i]);
+          }
+          alignas(32) float sums[8];
+          _mm256_store_ps(sums, sum8(v));
+          for (int64_t i = 0; i < nc; ++i) sc[x * bs + i0 + i] = sums[i];
+        }
+      }
+    }
+#elif HAVE_SIMD_ATTENTION
     // Sixteen tokens at a time: each score's D products summed chunk by chunk into one vector, then the
     // sixteen vectors reduced together (sum16): no reduction per score.
     constexpr int C = D_FIXED / 16;
@@ -114,7 +164,22 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
       for (int64_t d = 0; d < D; ++d) ax[d] *= corr;
   }
   if constexpr (SIMD) {
-#if HAVE_SIMD_ATTENTION
+#if HAVE_SIMD_ATTENTION && !defined(__AVX512F__)
+    // One head at a time (sixteen registers hold one head's accumulators, not two), each accumulator adding its
+    // tokens in order.
+    constexpr int C = D_FIXED / 8;
+    for (int64_t x = 0; x < nh * G; ++x) {
+      const int64_t hh = x / G;
+      __m256 a[C];
+      for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + x * D + 8 * c);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m256 p = _mm256_set1_ps(sc[x * bs + i]);
+        const kv_t* __restrict__ v = vb + i * row_stride + hh * D;
+        for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
+      }
+      for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + x * D + 8 * c, a[c]);
+    }
+#elif HAVE_SIMD_ATTENTION
     // Each head's accumulator stays in registers across the block's V rows. Two heads of a GQA group at a
     // time share each V row's loads, and give 2C independent FMA chains instead of C (one head's C chains,
     // each a dependent FMA per token, waited on the FMA's latency). Every accumulator still adds its tokens
@@ -179,8 +244,8 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
 // throws.
 template <typename scalar_t, int64_t D_FIXED>
 __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a, int64_t begin, int64_t end) {
-  // The SIMD path: AVX-512, fp32 or bf16, a head size of whole 16-lane vectors.
-  constexpr bool SIMD = HAVE_SIMD_ATTENTION && D_FIXED > 0 && D_FIXED % 16 == 0 &&
+  // The SIMD path: AVX-512 or AVX2, fp32 or bf16, a head size of whole vectors.
+  constexpr bool SIMD = HAVE_SIMD_ATTENTION && D_FIXED > 0 && D_FIXED % SIMD_LANES == 0 &&
                         (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>);
   constexpr bool WIDEN = SIMD && !std::is_same_v<scalar_t, float>;  // bf16 blocks into fp32 scratch
   using kv_t = std::conditional_t<SIMD, float, scalar_t>;
@@ -280,11 +345,17 @@ __attribute__((noinline)) void attention_tasks(const AttentionArgs<scalar_t>& a,
       const kv_t* vr;
       int64_t stride;
       if constexpr (WIDEN) {
-#if HAVE_SIMD_ATTENTION
+#if HAVE_SIMD_ATTENTION && defined(__AVX512F__)
         for (int64_t i = std::max<int64_t>(0, lo - t0); i < n; ++i)
           for (int64_t e = 0; e < nh * D; e += 16) {
             _mm512_storeu_ps(kw + i * nh * D + e, load16(kb + i * row_stride + e));
             _mm512_storeu_ps(vw + i * nh * D + e, load16(vb + i * row_stride + e));
+          }
+#elif HAVE_SIMD_ATTENTION
+        for (int64_t i = std::max<int64_t>(0, lo - t0); i < n; ++i)
+          for (int64_t e = 0; e < nh * D; e += 8) {
+            _mm256_storeu_ps(kw + i * nh * D + e, load8(kb + i * row_stride + e));
+            _mm256_storeu_ps(vw + i * nh * D + e, load8(vb + i * row_stride + e));
           }
 #endif
         kr = kw, vr = vw, stride = nh * D;
