@@ -177,3 +177,23 @@ def test_loading_a_bf16_model_says_where_its_gemms_run(demo_model_dir, caplog):
     assert lines == [f"bf16 GEMMs: {tiles} of {len(packed)} layers on AMX tiles, the rest on AVX512-BF16"]
     if {"amx_tile", "amx_bf16"} <= cpuinfo_flags() and _kernel_grants_amx():
         assert tiles == len(packed) > 0  # the demo model's widths are all whole 32s
+
+
+def test_onednn_sees_a_bounded_number_of_row_counts(monkeypatch):
+    """oneDNN builds and caches a kernel per input shape, each holding memory (its cache keeps 1024): a server
+    whose steps carry every row count from 1 to max_num_batched_tokens grew by hundreds of MB. Row counts are
+    rounded up to a few dozen sizes; the padded rows never reach the caller."""
+    monkeypatch.setattr(cpu, "gemm_supports", lambda dtype, k: False)  # the oneDNN path, on any CPU
+    linear = nn.Linear(64, 48)
+    packed = PackedLinear(linear)
+    seen: set[tuple[int, ...]] = set()
+    run = packed._linear
+    monkeypatch.setattr(packed, "_linear", lambda x: seen.add(tuple(x.shape)) or run(x))
+    x = torch.randn(600, 64, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        together = packed(x)
+        for rows in range(1, 601):
+            out = packed(x[:rows])
+            assert out.shape == (rows, 48)
+            assert torch.allclose(out, together[:rows], rtol=1e-5, atol=1e-5), rows
+    assert len(seen) <= 48, sorted(seen)

@@ -31,6 +31,16 @@ logger = logging.getLogger(__name__)
 _LONE_ROW_DIFFERS: dict[tuple[int, int, torch.dtype, bool], bool] = {}
 
 
+def rows_bucket(rows: int) -> int:
+    """The row count oneDNN is called with: `rows` rounded up to one of a few dozen sizes. oneDNN builds and
+    caches a kernel per input shape, each holding memory, so every distinct step size would grow the process
+    (by hundreds of MB over a server's mix of prefill chunks); the padded rows cost little next to that."""
+    if rows <= 16:
+        return rows
+    step = 16 if rows <= 128 else 64 if rows <= 1024 else 256
+    return -(-rows // step) * step
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -61,6 +71,12 @@ class PackedLinear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         if self.pad_single_row and x.dim() == 2 and x.shape[0] == 1:
             return self._linear(x.expand(2, -1).contiguous())[:1]
+        rows = x.reshape(-1, self.in_features)
+        bucket = rows_bucket(rows.shape[0])
+        if bucket != rows.shape[0]:
+            padded = rows.new_zeros(bucket, self.in_features)
+            padded[: rows.shape[0]] = rows
+            return self._linear(padded)[: rows.shape[0]].view(*x.shape[:-1], self.out_features)
         return self._linear(x.contiguous())
 
     def _linear(self, x: torch.Tensor) -> torch.Tensor:
