@@ -238,3 +238,14 @@ def test_lora_adapters_on_smollm2_equal_peft(gguf_path, tokenizer, hf_smollm, tm
                 assert out.token_ids == hf_greedy(model, tokenizer.encode(prompt).ids, MAX_TOKENS), (name, prompt)
     plain = llm.generate(prompts[0], GREEDY)[0].token_ids
     assert outs[0].token_ids != plain  # the adapter changed the answer
+
+
+def test_a_tokenizer_loaded_after_the_model_keeps_no_parsed_gguf(gguf_path):
+    """The engine core loads its tokenizer late (for its first grammar), after it has dropped what loading
+    parsed: the GGUF's metadata parsed again for it (the vocabulary's arrays, ~100 MB) must not stay cached."""
+    from inflight.models.loader import release_load_memory
+
+    engine = LLMEngine(gguf_path, EngineConfig(max_num_batched_tokens=48, num_kv_blocks=16))
+    release_load_memory()  # as the engine core does once it is up
+    assert engine.tokenizer.encode("Hello world").ids
+    assert gguf_metadata.cache_info().currsize == 0

@@ -41,7 +41,7 @@ from inflight.executor.sampler import Sampler
 from inflight.executor.tensor_parallel import TensorParallelWorkers
 from inflight.limits import default_max_prompt_bytes, resolve_max_model_len
 from inflight.lora_request import LoRARequest
-from inflight.model_source import find_gguf, resolve_model
+from inflight.model_source import find_gguf, gguf_metadata, resolve_model
 from inflight.models.config import ModelConfig, config_errors
 from inflight.models.loader import check_tensor_parallel, load_model, load_tokenizer, weight_bytes
 from inflight.models.lora import AdapterError
@@ -64,8 +64,11 @@ def bf16_probe(cfg: ModelConfig) -> Callable[[], float | None]:
 class LLMEngine:
     @functools.cached_property
     def tokenizer(self) -> Tokenizer:
-        """Loaded on first use: the engine core gets token ids and needs it only to compile a grammar."""
-        return load_tokenizer(self.model_dir)
+        """Loaded on first use: the engine core gets token ids and needs it only to compile a grammar. The model
+        is loaded by then, so what was parsed from a GGUF file for it (the vocabulary's arrays) is not kept."""
+        tokenizer = load_tokenizer(self.model_dir)
+        gguf_metadata.cache_clear()
+        return tokenizer
 
     def __init__(self, model_dir: str | Path | None = None, config: EngineConfig | None = None) -> None:
         """`model_dir`: an HF checkpoint directory, a GGUF file (or a directory holding one), "demo", or None
