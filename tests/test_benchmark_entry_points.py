@@ -278,8 +278,10 @@ def test_bench_tensor_parallel_times_one_and_two_ranks(demo_model_dir, tmp_path)
     args = ["--model", demo_model_dir, "--batch", "2", "--context", "16", "--steps", "2", "--out", str(out)]
     run("benchmarks.engine.bench_tensor_parallel", *args)
     runs = json.loads(out.read_text())["runs"]
-    assert [r["tp"] for r in runs] == [1, 2] and runs[1]["collectives_per_step"] == 2 * 4 + 2  # 4 layers
-    assert runs[0]["collective_ms"] == 0 and 0 < runs[1]["collective_share_of_forward"] <= 1
+    assert [(r["tp"], r["collectives"]) for r in runs] == [(1, None), (2, "shm"), (2, "gloo")]
+    for run_ in runs[1:]:  # 4 layers: two all-reduces each, the embedding's, the logits' gather
+        assert run_["collectives_per_step"] == 2 * 4 + 2 and 0 < run_["collective_share_of_forward"] <= 1
+    assert runs[0]["collective_ms"] == 0
 
 
 def test_bench_graphs_alternates_eager_and_graph_rounds(demo_model_dir, tmp_path):
