@@ -6,9 +6,10 @@ responder thread does all the talking: it takes the core's step messages (token 
 processor on them (text and stop strings: a request a stop string ended finishes here and is aborted in the
 core, and the tokens the core made after the stop never reach its client), turns outputs into responses
 (merging a request's outputs that queued up while it was busy, vLLM's stream_interval idea applied only
-under load), polls cancellation every `cancel_interval_s` and tells the core to abort (which frees the
-blocks as soon as it sees it), and publishes metrics at most every `metrics_interval_s`: the core's latest
-state and the counts it sent since the last publication (deltas: a restarted core's simply add on).
+under load), polls cancellation when a step's message arrives (at most every `cancel_interval_s`, at least every
+`cancel_max_interval_s`) and tells the core to abort (which frees the blocks as soon as it sees it), and
+publishes metrics at most every `metrics_interval_s`: the core's latest state and the counts it sent since the
+last publication (deltas: a restarted core's simply add on).
 Every call into a `Client` comes from the responder, so a client is never entered by two threads.
 
 If the core process dies, every request in flight is failed at once (UNAVAILABLE), new ones are refused
@@ -105,6 +106,7 @@ class EngineLoop:
         on_iteration: Callable[[SchedulerStats, IterationStats], None] | None = None,
         on_broken: Callable[[str], None] | None = None,
         cancel_interval_s: float = 0.05,
+        cancel_max_interval_s: float = 0.5,
         metrics_interval_s: float = 0.5,
         on_core_start: Callable[[core_messages.Ready], None] | None = None,
         on_unavailable: Callable[[str], None] | None = None,
@@ -125,6 +127,7 @@ class EngineLoop:
         self._on_core_start = on_core_start
         self._on_unavailable = on_unavailable
         self._cancel_interval_s = cancel_interval_s
+        self._cancel_max_interval_s = max(cancel_interval_s, cancel_max_interval_s)
         self._metrics_interval_s = metrics_interval_s
         self._max_restarts = max_restarts
         self._restart_window_s = restart_window_s
@@ -291,12 +294,15 @@ class EngineLoop:
     # ---- the responder thread -------------------------------------------------------------------------
 
     def _respond(self) -> None:
-        next_cancel_check = next_metrics = time.monotonic()
+        # Each is_cancelled() is a round trip to tritonserver: poll as a step's message comes (the core aborts
+        # only between steps), and on a timer only while none comes.
+        cancel_after = cancel_by = next_metrics = time.monotonic()
         try:
             while not self._stopping.is_set():
                 core = self._core
-                timeout = max(0.0, min(next_cancel_check, next_metrics) - time.monotonic())
-                items = self._read_core_messages(core.poll(timeout))
+                timeout = max(0.0, min(cancel_by, next_metrics) - time.monotonic())
+                messages = core.poll(timeout)
+                items = self._read_core_messages(messages)
                 try:
                     self._send_batch(items)
                 except Exception:  # a bug here must not end the thread that answers everyone
@@ -305,9 +311,9 @@ class EngineLoop:
                 if core.exit_reason is not None and self._broken is None:
                     self._on_core_death(core)
                 now = time.monotonic()
-                if now >= next_cancel_check:
+                if now >= cancel_by or (messages and now >= cancel_after):
                     self._check_cancelled()
-                    next_cancel_check = now + self._cancel_interval_s
+                    cancel_after, cancel_by = now + self._cancel_interval_s, now + self._cancel_max_interval_s
                 if now >= next_metrics:
                     self._publish()
                     next_metrics = now + self._metrics_interval_s
