@@ -117,8 +117,8 @@ def test_cancellation_is_seen_within_the_interval(loop):
     rec = submit(loop, max_tokens=200, ignore_eos=True)
     assert rec.started.wait(30)
     rec.cancelled = True
-    # The loop polls every cancel_interval_s (0.05 s): a hundred intervals is generous on a loaded machine,
-    # and far shorter than the request left to run on its own.
+    # The loop polls as each step's message comes, at most every cancel_interval_s (0.05 s): a hundred intervals
+    # is generous on a loaded machine, and far shorter than the request left to run on its own.
     assert rec.done.wait(5) and rec.error[0] is ErrorKind.CANCELLED
     assert len(rec.outputs) < 200
     assert kv_freed(loop)
