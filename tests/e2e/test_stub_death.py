@@ -59,6 +59,8 @@ def test_serve_reloads_the_model_when_its_stub_is_killed(demo_model_dir, tmp_pat
     try:
         assert wait_for(lambda: _generate(http) or proc.poll() is not None, timeout_s=180, interval_s=0.5)
         assert proc.poll() is None, log_path.read_text()
+        # The health model comes a moment after the first answer: the kill must find it loaded to unload it.
+        assert wait_for(lambda: _ready(http, "llm_health"), timeout_s=60, interval_s=0.5)
         (server,) = [pid for pid, name, _ in _children(proc.pid) if name.startswith("tritonserver")]
         (stub,) = [pid for pid, name, alive in _children(server) if name.startswith("triton_python") and alive
                    and b"llm_0_0" in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")]  # fmt: skip
