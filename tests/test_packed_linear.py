@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from inflight.models.loader import load_model
-from inflight.models.packed_linear import PackedLinear, RowPaddedLinear, pack_linears
+from inflight.models.packed_linear import PackedLinear, RowPaddedLinear, pack_linears, rows_bucket, warm_up_onednn
 from inflight.ops import cpu
 
 
@@ -197,3 +197,36 @@ def test_onednn_sees_a_bounded_number_of_row_counts(monkeypatch):
             assert out.shape == (rows, 48)
             assert torch.allclose(out, together[:rows], rtol=1e-5, atol=1e-5), rows
     assert len(seen) <= 48, sorted(seen)
+
+
+def test_warm_up_meets_every_shape_a_step_can_bring(monkeypatch):
+    """After the warm-up, no row count (up to the step's limit) or thread count a step may use makes oneDNN
+    build another kernel: the server's memory is what it holds from its start. The output layer is warmed only
+    up to the rows it can be given."""
+    monkeypatch.setattr(cpu, "gemm_supports", lambda dtype, k: False)
+    model = nn.Module()
+    model.up, model.down = PackedLinear(nn.Linear(32, 64)), PackedLinear(nn.Linear(64, 32))
+    model.lm_head = PackedLinear(nn.Linear(32, 100, bias=False))
+    seen: set[tuple[str, int, int]] = set()
+    for name in ("up", "down", "lm_head"):
+        module = getattr(model, name)
+        run = module._linear
+        monkeypatch.setattr(
+            module, "_linear", lambda x, n=name, r=run: seen.add((n, x.shape[0], torch.get_num_threads())) or r(x)
+        )
+    calls = warm_up_onednn(model, max_rows=300, head_rows=20, thread_counts=[2, 1])
+    warmed = set(seen)
+    assert calls == len(warmed) > 0
+    assert max(rows for name, rows, _ in warmed if name == "lm_head") == rows_bucket(20) < rows_bucket(300)
+    previous = torch.get_num_threads()
+    with torch.inference_mode():
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            for rows in range(1, 301):
+                model.up(torch.randn(rows, 32))
+                model.down(torch.randn(rows, 64))
+                if rows <= 20:
+                    model.lm_head(torch.randn(rows, 32))
+    torch.set_num_threads(previous)
+    assert seen == warmed
+    assert torch.get_num_threads() == previous

@@ -85,7 +85,10 @@ class EngineCore:
         engine_cls = getattr(importlib.import_module(module), name)
         self.engine = engine_cls(spec.model_dir, spec.config)  # token ids out: the front detokenizes
         self.engine.on_rank_failure(self.rank_failed)
-        release_load_memory()  # the core's resident size is then what the engine holds
+        release_load_memory()
+        started = time.monotonic()
+        calls = self.engine.warm_up()  # the core's resident size is then what the engine holds while serving
+        log.info("warmed up in %.1f s (%d calls)", time.monotonic() - started, calls)
         self.inbox, self.outbox = inbox, outbox
         self.parent_pid = parent_pid
         self.encoder = msgspec.msgpack.Encoder()

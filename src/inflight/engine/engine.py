@@ -300,6 +300,13 @@ class LLMEngine:
         if self.workers is not None:
             self.workers.on_failure = callback
 
+    def warm_up(self) -> int:
+        """Meet every step size once before serving (see `ModelRunner.warm_up`); the output layer sees a step's
+        sequences, with their draft tokens where speculation is on. Returns the number of calls."""
+        spec = self.config.speculative_config
+        head_rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+        return self.runner.warm_up(head_rows)
+
     @property
     def spec_decode_counters(self) -> dict[str, int | tuple[int, ...]]:
         """vLLM's spec_decode counters (all 0 when speculation is off), per position as a tuple."""

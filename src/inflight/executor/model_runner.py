@@ -25,7 +25,7 @@ from inflight.executor.cuda_graphs import CudaGraphRunner, PiecewiseGraphRunner
 from inflight.executor.input_batch import BatchInputs, InputBatch
 from inflight.executor.sampler import SamplingMetadata
 from inflight.models.llama import LlamaForCausalLM
-from inflight.models.packed_linear import PackedLinear
+from inflight.models.packed_linear import PackedLinear, warm_up_onednn
 from inflight.models.parallel import TensorParallel
 
 if TYPE_CHECKING:
@@ -142,6 +142,7 @@ class ModelRunner:
                 model, self.kv_caches, self.ops, max_num_batched_tokens, device, pool=self.cuda_graphs.pool
             )
             self.piecewise_graphs.capture_all()
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.max_threads = num_threads or torch.get_num_threads()
         passive = omp.threads_sleep()
         layer = model.model.layers[0]  # packed linears hold their weight outside parameters()
@@ -159,6 +160,14 @@ class ModelRunner:
             # is tried every 64th step (it wins small steps when other processes keep every core busy).
             self.single_thread_tokens, explore_every = 0, 64
         self.threads = ThreadChooser(self.max_threads, self.single_thread_tokens, explore_every) if adaptive else None
+
+    def warm_up(self, head_rows: int) -> int:
+        """Build oneDNN's kernels for every step size and thread count now (CPU; see `warm_up_onednn`): a
+        server's memory is then what it holds from its start. Returns the number of calls."""
+        if self.device.type != "cpu":
+            return 0
+        threads = [self.max_threads] + ([1] if self.threads is not None and self.max_threads > 1 else [])
+        return warm_up_onednn(self.model, self.max_num_batched_tokens, head_rows, threads)
 
     @staticmethod
     def kv_bytes_per_block(model_cfg, block_size: int, dtype: torch.dtype, tensor_parallel_size: int = 1) -> int:

@@ -41,6 +41,38 @@ def rows_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def row_buckets(max_rows: int) -> list[int]:
+    """Every row count `rows_bucket` gives for 1..max_rows."""
+    return sorted({rows_bucket(r) for r in range(1, max_rows + 1)})
+
+
+def warm_up_onednn(model: nn.Module, max_rows: int, head_rows: int, thread_counts: list[int]) -> int:
+    """Run each oneDNN-packed shape of `model` at every row bucket it can meet, under each thread count a step
+    may use, so that oneDNN builds (and holds memory for) its kernels now rather than over the first minutes
+    of serving. The output layer sees at most `head_rows` rows. Returns the number of calls."""
+    head = getattr(model, "lm_head", None)
+    shapes: dict[tuple, tuple[PackedLinear, int]] = {}
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and not module.own_gemm:
+            key = (module.in_features, module.out_features, module.dtype, module.bias is not None)
+            limit = min(head_rows, max_rows) if module is head else max_rows
+            if limit > shapes.get(key, (None, 0))[1]:
+                shapes[key] = (module, limit)
+    calls = 0
+    previous = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for threads in thread_counts:
+                torch.set_num_threads(threads)
+                for module, limit in shapes.values():
+                    for rows in row_buckets(limit):
+                        module(torch.zeros(rows, module.in_features, dtype=module.dtype))
+                        calls += 1
+    finally:
+        torch.set_num_threads(previous)
+    return calls
+
+
 class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
