@@ -88,6 +88,8 @@ def write_gguf(path: Path, model, qtype=Q.F32, arch: str = "llama", tokenizer_mo
     w.add_token_list([f"t{i}" for i in range(cfg.vocab_size)])
     w.add_token_types([1] * cfg.vocab_size)
     for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:  # llama.cpp writes the embedding once
+            continue
         data = tensor.float().numpy()
         if data.ndim == 2:
             if qtype in _SCALES:

@@ -14,10 +14,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
+import gguf
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from gguf.quants import dequantize
 from helpers import PROMPTS
 
 from inflight.config import ConfigError, EngineConfig
@@ -30,8 +32,11 @@ from inflight.executor.tp_worker import connect
 from inflight.launcher.cli import build_parser, serve_parameters
 from inflight.launcher.server import free_port
 from inflight.models.config import ModelConfig
+from inflight.models.gguf_loader import hf_name, read_tensors
+from inflight.models.llama import LlamaForCausalLM
 from inflight.models.loader import check_tensor_parallel, load_model
-from inflight.models.parallel import TensorParallel, check_sizes, local_part
+from inflight.models.parallel import TensorParallel, check_sizes, local_part, shard_of
+from inflight.models.quantized import GGUFWeight, QuantizedEmbedding, QuantizedLinear
 from inflight.ops import cpu
 from inflight.sampling_params import SamplingParams
 
@@ -248,9 +253,11 @@ def test_shards_cover_each_tensor_once_and_kv_heads_follow_vllms_rule():
     assert torch.equal(torch.cat(parts)[:10], full) and not parts[2][2:].any()  # zero rows pad the last shard
 
 
-def ranks_as_threads(model_dir, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def ranks_as_threads(
+    model_dir, size: int, weight_format: str = "auto", check_rank=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's logits from `size` ranks run as threads of this process in one group (no processes to start;
-    shared memory where the C++ ops build, else gloo), and from one rank."""
+    shared memory where the C++ ops build, else gloo), and from one rank. `check_rank(model)` sees each rank's."""
     seq_lens, query_lens = [5, 19, 1], [5, 7, 1]
     vocab = ModelConfig.load(model_dir).vocab_size
     input_ids = torch.randint(0, vocab, (sum(query_lens),), generator=torch.Generator().manual_seed(0))
@@ -258,7 +265,9 @@ def ranks_as_threads(model_dir, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     port = free_port()
 
     def logits_of(tp: TensorParallel) -> torch.Tensor | None:
-        model, _ = load_model(model_dir, torch.float32, "cpu", tp=tp)
+        model, _ = load_model(model_dir, torch.float32, "cpu", weight_format, tp=tp)
+        if tp.size > 1 and check_rank is not None:
+            check_rank(model)
         if tp.size > 1:
             store = dist.TCPStore("127.0.0.1", port, size, tp.rank == 0, timeout=timedelta(seconds=60))
             connect(tp, store, torch.device("cpu"))
@@ -301,6 +310,84 @@ def test_gemma3_splits_over_ranks_too(tmp_path):
     torch.testing.assert_close(tp, one, atol=TP_ATOL, rtol=0)
 
 
+# ---- GGUF files: each rank reads its part of the blocks -----------------------------------------------------
+
+
+def _tiny_gguf(tmp_path, qtype, **overrides):
+    from test_gguf_loader import tiny_hf_model, write_gguf
+
+    write_gguf(tmp_path / "tiny.gguf", tiny_hf_model(**overrides), qtype)
+    return tmp_path
+
+
+def _read_as_rank(model_dir, tp: TensorParallel, keep: set[str]) -> dict:
+    cfg = ModelConfig.load(model_dir)
+    with torch.device("meta"):
+        meta = LlamaForCausalLM(cfg, tp) if tp.size > 1 else LlamaForCausalLM(cfg)
+    expected = dict(meta.state_dict())
+    part_of = (lambda name, shape: shard_of(meta, name) if name in expected else None) if tp.size > 1 else None
+    heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
+    return read_tensors(next(model_dir.glob("*.gguf")), *heads, torch.float32, "cpu", keep, part_of)
+
+
+@pytest.mark.parametrize("qtype_name", ["Q8_0", "Q4_K"])
+def test_a_rank_reads_only_its_part_of_a_gguf_as_blocks_or_dequantized(tmp_path, monkeypatch, qtype_name):
+    """Each rank reads its rows of a column-parallel tensor and its columns of a row-parallel one straight from
+    the file's blocks, kept packed or dequantized: the same values as the whole tensor's slice, and only its share
+    of the dequantizing. Q4_K's 256-wide blocks do not split o_proj's 2 x 128 columns: that one is read whole."""
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    sizes = dict(intermediate_size=128) if qtype_name == "Q8_0" else dict(hidden_size=256, intermediate_size=512)
+    model_dir = _tiny_gguf(tmp_path, qtype, **sizes)
+    reader = gguf.GGUFReader(next(model_dir.glob("*.gguf")))
+    quantized = {hf_name(t.name) for t in reader.tensors if t.tensor_type == qtype}
+    unaligned = {n for n in quantized if n.endswith("o_proj.weight")} if qtype_name == "Q4_K" else set()
+    dequantized_bytes: list[int] = []
+    real = gguf.quants.dequantize
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda d, q: dequantized_bytes.append(d.nbytes) or real(d, q))
+    whole = _read_as_rank(model_dir, TensorParallel(), set())
+    whole_bytes = sum(dequantized_bytes)
+    for rank in range(2):
+        tp = TensorParallel(rank, 2)
+        dequantized_bytes.clear()
+        parts = _read_as_rank(model_dir, tp, set())
+        if not unaligned:
+            assert sum(dequantized_bytes) < 0.55 * whole_bytes  # its half, and the norms every rank holds
+        packed = _read_as_rank(model_dir, tp, quantized - unaligned)
+        with torch.device("meta"):
+            meta = LlamaForCausalLM(ModelConfig.load(model_dir), tp)
+        for name, tensor in whole.items():
+            shard = shard_of(meta, name)
+            want = tensor if shard is None else shard.take(tensor)
+            assert torch.equal(parts[name], want), name
+            if isinstance(packed[name], GGUFWeight):
+                blocks = packed[name]
+                values = dequantize(blocks.data.numpy(), qtype).reshape(blocks.shape)
+                assert blocks.shape == tuple(want.shape) and np.array_equal(values, want.numpy()), name
+            else:
+                assert name not in quantized - unaligned and torch.equal(packed[name], want), name
+
+
+@pytest.mark.skipif(not cpu.gguf_supports(8, torch.float32, 32), reason="no CPU GGUF kernel on this machine")
+def test_two_ranks_compute_on_their_shares_of_a_gguf_s_blocks(tmp_path):
+    """weight_format 'packed' over two ranks: every projection, the embedding and the tied output layer computed
+    on this rank's blocks (the vocabulary's 300 rows as 2 x 150), the logits one rank's. A width a rank's share
+    does not split into whole blocks is named."""
+    model_dir = _tiny_gguf(tmp_path, gguf.GGMLQuantizationType.Q8_0, intermediate_size=128, tie_word_embeddings=True)
+
+    def on_blocks(model):
+        layer = model.model.layers[0]
+        kinds = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        assert all(isinstance(m, QuantizedLinear) for m in kinds + [model.lm_head])
+        assert isinstance(model.model.embed_tokens, QuantizedEmbedding) and model.lm_head.out_features == 150
+
+    tp, one = ranks_as_threads(model_dir, 2, "packed", check_rank=on_blocks)
+    torch.testing.assert_close(tp, one, atol=TP_ATOL, rtol=0)
+    (tmp_path / "odd").mkdir()
+    odd = _tiny_gguf(tmp_path / "odd", gguf.GGMLQuantizationType.Q8_0, intermediate_size=96)  # 2 x 48 columns
+    with pytest.raises(ConfigError, match="down_proj"):
+        load_model(odd, torch.float32, "cpu", "packed", tp=TensorParallel(0, 2))
+
+
 def test_sizes_that_do_not_split_the_model_are_refused_by_name(demo_model_dir):
     cfg = ModelConfig.load(demo_model_dir)  # 8 attention heads, 4 KV heads
     moe = {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 4, "num_experts_per_tok": 2}
@@ -312,6 +399,6 @@ def test_sizes_that_do_not_split_the_model_are_refused_by_name(demo_model_dir):
     with pytest.raises(ConfigError, match="enable_lora with tensor_parallel_size=2"):
         EngineConfig(tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ConfigError, match="tensor_parallel_size=2: Qwen3MoeForCausalLM is not split"):
-        check_tensor_parallel(ModelConfig.from_hf_dict(cfg.hf_config | moe), 2, packed_gguf=False)
+        check_tensor_parallel(ModelConfig.from_hf_dict(cfg.hf_config | moe), 2)
     ns = build_parser().parse_args(["serve", "--tensor-parallel-size", "2"])  # the flag: a config.pbtxt parameter
     assert serve_parameters(ns)[0]["tensor_parallel_size"] == 2

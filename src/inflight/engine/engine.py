@@ -41,7 +41,7 @@ from inflight.executor.sampler import Sampler
 from inflight.executor.tensor_parallel import TensorParallelWorkers
 from inflight.limits import default_max_prompt_bytes, resolve_max_model_len
 from inflight.lora_request import LoRARequest
-from inflight.model_source import find_gguf, gguf_metadata, resolve_model
+from inflight.model_source import gguf_metadata, resolve_model
 from inflight.models.config import ModelConfig, config_errors
 from inflight.models.loader import check_tensor_parallel, load_model, load_tokenizer, weight_bytes
 from inflight.models.lora import AdapterError
@@ -84,9 +84,7 @@ class LLMEngine:
         self.workers: TensorParallelWorkers | None = None
         tp = SINGLE
         if config.tensor_parallel_size > 1:
-            with config_errors():
-                packed_gguf = config.weight_format == "packed" and find_gguf(model_dir) is not None
-            check_tensor_parallel(ckpt, config.tensor_parallel_size, packed_gguf)
+            check_tensor_parallel(ckpt, config.tensor_parallel_size)
             self.workers = TensorParallelWorkers(model_dir, config, self.dtype)
             tp = self.workers.tp
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device, config.weight_format, tp)

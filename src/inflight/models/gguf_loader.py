@@ -21,6 +21,7 @@ import torch
 
 from inflight.config import ConfigError
 from inflight.model_source import gguf_metadata
+from inflight.models.parallel import Shard
 from inflight.models.quantized import GGUFWeight
 
 # The tensor types this loader reads (gguf.quants dequantizes each of them; the block formats may stay packed).
@@ -99,11 +100,15 @@ def read_tensors(
     dtype: torch.dtype,
     device,
     keep_packed: frozenset[str] | set[str] = frozenset(),
-    take: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    part_of: Callable[[str, tuple[int, int]], Shard | None] | None = None,
 ) -> dict[str, torch.Tensor | GGUFWeight]:
     """Every tensor of the file under its HF name: those named in `keep_packed` as their blocks (`GGUFWeight`,
-    rows in HF order, on the CPU), the others dequantized, in `dtype` on `device`. `take(name, tensor)`: the part
-    of a dequantized tensor to keep (a tensor-parallel rank's shard; not for experts)."""
+    rows in HF order, on the CPU), the others dequantized, in `dtype` on `device`.
+
+    `part_of(name, whole shape)`: the part of a tensor to read (a tensor-parallel rank's shard; None: all of it;
+    not for experts). Only that part's blocks are read and dequantized: rows are whole blocks, columns are where
+    the part starts and ends on block boundaries (else the tensor is dequantized whole, then sliced)."""
+    from gguf import GGML_QUANT_SIZES
     from gguf.quants import dequantize
 
     tensor_types(path)  # the checks above
@@ -116,24 +121,40 @@ def read_tensors(
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         heads = num_heads if t.name.endswith("attn_q.weight") else num_kv_heads
         permuted = permutes and t.name.endswith(("attn_q.weight", "attn_k.weight"))
+        expert = ".experts." in name
+        part = part_of(name, shape) if part_of is not None and not expert else None
+        raw = np.asarray(t.data).view(np.uint8).reshape(shape[0], -1)  # [rows, bytes]: whole blocks a row
+        rows = np.arange(shape[0])
+        if permuted:  # a permutation of whole rows: each row's blocks move as they are
+            rows = unpermute_qk(torch.from_numpy(rows), heads).numpy()
+        block, block_bytes = GGML_QUANT_SIZES[t.tensor_type]
+        columns = None  # a column range to cut from the dequantized tensor
+        if part is not None and part.dim == 0:
+            rows = rows[part.start : part.start + part.size]
+        elif part is not None and (part.start % block or part.size % block):
+            columns = slice(part.start, part.start + part.size)
+        elif part is not None:
+            raw = raw[:, part.start // block * block_bytes : (part.start + part.size) // block * block_bytes]
+        if permuted or (part is not None and part.dim == 0):
+            raw = raw[rows]  # this part's rows only, copied out of the file
         if name in keep_packed:
-            with warnings.catch_warnings():  # a read-only view of the file: only ever read (repacked or copied)
+            if columns is not None:
+                raise ValueError(f"{name}: columns {columns} do not fall on {t.tensor_type.name} block boundaries")
+            with warnings.catch_warnings():  # whole: a view of the file, only ever read (repacked or copied)
                 warnings.simplefilter("ignore", UserWarning)
-                blocks = torch.from_numpy(np.asarray(t.data)).reshape(shape[0], -1)  # [rows, bytes]
-            if permuted:  # a permutation of whole rows: each row's blocks move as they are
-                blocks = unpermute_qk(blocks, heads)
-            out[name] = GGUFWeight(qtype=int(t.tensor_type), data=blocks, shape=shape)
+                blocks = torch.from_numpy(np.ascontiguousarray(raw))
+            out[name] = GGUFWeight(int(t.tensor_type), blocks, (len(raw), raw.shape[1] // block_bytes * block))
             continue
-        array = np.ascontiguousarray(dequantize(t.data, t.tensor_type))  # float32, shape reversed from ggml's
+        array = np.ascontiguousarray(dequantize(raw, t.tensor_type)).reshape(len(raw), -1)  # float32
+        if columns is not None:
+            array = np.ascontiguousarray(array[:, columns])
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only file mapping
             array = array.copy()
-        tensor = torch.from_numpy(array).reshape(shape)
-        if permuted:
-            tensor = unpermute_qk(tensor, heads)
+        tensor = torch.from_numpy(array).reshape(shape if part is None else part.part_shape(shape))
         if t.name.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
             experts[t.name] = tensor
             continue
-        out[name] = (take(name, tensor) if take is not None else tensor).to(device=device, dtype=dtype)
+        out[name] = tensor.to(device=device, dtype=dtype)
     for gate_name, gate in experts.items():  # each layer's gate and up experts as one [E, 2I, H] stack
         if gate_name.endswith("ffn_gate_exps.weight"):
             up = experts[gate_name.replace("ffn_gate_exps", "ffn_up_exps")]

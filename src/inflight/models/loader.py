@@ -22,7 +22,7 @@ from inflight.models.gguf_loader import FLOAT_TENSOR_TYPES, read_tensors, releas
 from inflight.models.llama import LlamaForCausalLM
 from inflight.models.moe import ExpertStacker, MoEForCausalLM
 from inflight.models.packed_linear import pack_linears
-from inflight.models.parallel import SINGLE, Shard, TensorParallel, check_sizes, local_part, shard_of
+from inflight.models.parallel import SINGLE, Shard, TensorParallel, check_sizes, local_part, pad_part, shard_of
 from inflight.models.quantized import GGUFWeight, QuantizedEmbedding, QuantizedLinear, packed_kernel_available
 from inflight.models.registry import model_class
 from inflight.ops import cpu
@@ -72,7 +72,8 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """`weight_format` (GGUF files): `packed` keeps every quantized linear and embedding as its blocks (an error
     names a tensor no kernel here computes), `dequantized` none, `auto` those a kernel computes on this device.
-    `tp`: this rank's shard only (models/parallel.py); a GGUF is dequantized, then sliced."""
+    `tp`: this rank's shard only (models/parallel.py), read without the rest of each tensor (a GGUF's blocks
+    too, kept or dequantized)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ConfigError(f"weight_format={weight_format!r} is invalid: must be one of {', '.join(WEIGHT_FORMATS)}")
     model_dir = Path(model_dir)
@@ -82,7 +83,7 @@ def load_model(
     cfg = ModelConfig.load(model_dir)
     cls = model_class(cfg.architecture)
     if tp.size > 1:
-        check_tensor_parallel(cfg, tp.size, gguf_file is not None and weight_format == "packed")
+        check_tensor_parallel(cfg, tp.size)
     with torch.device("meta"):
         model = cls(cfg, tp) if tp.size > 1 else cls(cfg)
     expected = dict(model.state_dict())
@@ -92,10 +93,12 @@ def load_model(
     if gguf_file is not None:
         source = "the GGUF metadata"
         types = tensor_types(gguf_file)
-        keep = packed_groups(gguf_file.name, types, model, dtype, device, weight_format) if tp.size == 1 else set()
-        take = _shard_taker(model, expected, gguf_file.name, source) if tp.size > 1 else None
+        keep = packed_groups(gguf_file.name, types, model, dtype, device, weight_format)
+        part_of = _part_picker(model, expected, gguf_file.name, source) if tp.size > 1 else None
         heads = (cfg.num_attention_heads, cfg.num_key_value_heads)
-        loaded = read_tensors(gguf_file, *heads, dtype, device, keep, take)
+        loaded = read_tensors(gguf_file, *heads, dtype, device, keep, part_of)
+        if part_of is not None:  # parts shorter than their parameter: the vocabulary's last, a row-parallel bias
+            loaded = {name: _padded(model, name, value, expected) for name, value in loaded.items()}
         for name, tensor in loaded.items():
             _check_tensor(gguf_file.name, name, tuple(tensor.shape), expected, cfg, source)
         packed = {name: w for name, w in loaded.items() if isinstance(w, GGUFWeight)}
@@ -123,33 +126,42 @@ def load_model(
     return model, cfg
 
 
-def check_tensor_parallel(cfg: ModelConfig, size: int, packed_gguf: bool) -> None:
-    """ConfigError unless `size` ranks can split this model (`packed_gguf`: weight_format='packed' on a GGUF)."""
+def check_tensor_parallel(cfg: ModelConfig, size: int) -> None:
+    """ConfigError unless `size` ranks can split this model."""
     if not getattr(model_class(cfg.architecture), "supports_tensor_parallel", False):
         raise ConfigError(
             f"tensor_parallel_size={size}: {cfg.architecture} is not split across ranks (the dense families are: "
             "Llama, Mistral, Qwen2, Qwen3, Gemma 3); use tensor_parallel_size=1"
         )
     check_sizes(cfg, size)
-    if packed_gguf:
-        raise ConfigError(
-            f"weight_format='packed' with tensor_parallel_size={size}: a rank's shard of a GGUF is dequantized "
-            "(the blocks are not sliced); use weight_format='auto' or 'dequantized'"
-        )
 
 
-def _shard_taker(model: torch.nn.Module, expected: dict, file: str, source: str):
-    """For read_tensors: the whole tensor checked against the config, then this rank's part of it."""
+def _part_picker(model: torch.nn.Module, expected: dict, file: str, source: str):
+    """For read_tensors: the whole tensor's shape checked against the config, then the part this rank reads."""
     cfg = model.cfg
 
-    def take(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def part_of(name: str, shape: tuple[int, int]) -> Shard | None:
         shard = shard_of(model, name) if name in expected else None
-        if shard is None:
-            return tensor
-        _check_tensor(file, name, tuple(tensor.shape), expected, cfg, source, shard)
-        return local_part(tensor, shard, tuple(expected[name].shape))
+        if shard is not None:
+            _check_tensor(file, name, shape, expected, cfg, source, shard)
+        return shard
 
-    return take
+    return part_of
+
+
+def _padded(model: torch.nn.Module, name: str, value, expected: dict):
+    """A rank's part zero-padded to its parameter's shape (zero bytes are zero weights in every block format)."""
+    shard = shard_of(model, name) if name in expected else None
+    if shard is None:
+        return value
+    shape = tuple(expected[name].shape)
+    if not isinstance(value, GGUFWeight):
+        return pad_part(value, shard, shape)
+    missing = shape[0] - value.shape[0]  # blocks are split by rows only
+    if missing <= 0:
+        return value
+    data = torch.cat([value.data, value.data.new_zeros(missing, value.data.shape[1])])
+    return GGUFWeight(value.qtype, data, (shape[0], value.shape[1]))
 
 
 # Modules built from GGUF blocks: the HF names of their parts, fused along the outputs in this order.
@@ -209,7 +221,10 @@ def _install_packed(model: LlamaForCausalLM, packed: dict[str, GGUFWeight], dtyp
         parent = model.get_submodule(parent_name) if parent_name else model
         weights = [packed[p] for p in parts]
         if attr == "embed_tokens":
-            embedding = QuantizedEmbedding.from_gguf(weights[0], dtype, device)
+            # A rank's rows from its vocabulary's start; the padding rows past the vocabulary are never looked up
+            meta = parent.embed_tokens
+            tp, start = getattr(meta, "tp", SINGLE), getattr(meta, "vocab_start", 0)
+            embedding = QuantizedEmbedding.from_gguf(weights[0], dtype, device, tp, start)
             parent.embed_tokens = embedding
             if model.cfg.tie_word_embeddings:
                 model.lm_head = embedding.lm_head()

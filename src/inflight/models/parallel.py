@@ -15,7 +15,9 @@ holds (`tp_shards`); the loader reads just that part. At size 1 every layer is t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,6 +43,10 @@ class Shard:
     def checkpoint_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The whole tensor's shape, given this rank's parameter's."""
         return tuple(self.total if i == self.dim else n for i, n in enumerate(shape))
+
+    def part_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """This part's shape, given the whole tensor's."""
+        return tuple(self.size if i == self.dim else n for i, n in enumerate(shape))
 
     def take(self, tensor: Any) -> torch.Tensor:
         """This part of `tensor`: a torch tensor or a safetensors slice (read without the rest of the tensor)."""
@@ -164,9 +170,18 @@ class VocabParallelEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(input_ids)
-        mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
-        rows = F.embedding((input_ids - self.vocab_start) * mine, self.weight)
-        return self.tp.all_reduce(rows.masked_fill_(~mine.unsqueeze(-1), 0))
+        lookup = partial(F.embedding, weight=self.weight)
+        return vocab_parallel_lookup(self.tp, input_ids, self.vocab_start, self.vocab_end, lookup)
+
+
+def vocab_parallel_lookup(
+    tp: TensorParallel, input_ids: torch.Tensor, start: int, end: int, lookup: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """Embedding rows of ids on ranks that each hold the vocabulary rows [start, end): each looks up its own
+    (`lookup` of local row ids), zeros for the others, and the all-reduce puts every row together."""
+    mine = (input_ids >= start) & (input_ids < end)
+    rows = lookup((input_ids - start) * mine)
+    return tp.all_reduce(rows.masked_fill_(~mine.unsqueeze(-1), 0))
 
 
 class ParallelLMHead(nn.Linear):
@@ -197,9 +212,14 @@ def local_part(tensor: Any, shard: Shard | None, shape: tuple[int, ...]) -> torc
     part = shard.take(tensor)
     if isinstance(tensor, torch.Tensor):
         part = part.clone(memory_format=torch.contiguous_format)
+    return pad_part(part, shard, shape)
+
+
+def pad_part(part: torch.Tensor, shard: Shard, shape: tuple[int, ...]) -> torch.Tensor:
+    """`part` with zeros after it along the shard's dim, up to the parameter's `shape`."""
     missing = shape[shard.dim] - part.shape[shard.dim]
-    if missing > 0:
-        pad = list(part.shape)
-        pad[shard.dim] = missing
-        part = torch.cat([part, part.new_zeros(pad)], dim=shard.dim)
-    return part
+    if missing <= 0:
+        return part
+    pad = list(part.shape)
+    pad[shard.dim] = missing
+    return torch.cat([part, part.new_zeros(pad)], dim=shard.dim)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from inflight.models.parallel import SINGLE, TensorParallel, vocab_parallel_lookup
 from inflight.ops import cpu
 
 
@@ -138,21 +139,33 @@ class QuantizedLinear(nn.Module):
 class QuantizedEmbedding(nn.Module):
     """Rows of a GGUF embedding dequantized as they are looked up; its `lm_head()` computes on the same blocks."""
 
-    def __init__(self, segment: _Segment, embedding_dim: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self, segment: _Segment, embedding_dim: int, dtype: torch.dtype, tp: TensorParallel = SINGLE, start: int = 0
+    ) -> None:
+        """`tp`, `start`: a tensor-parallel rank holds the vocabulary rows from `start` (models/parallel.py)."""
         super().__init__()
         self.segment = segment
         self.num_embeddings = segment.size
         self.embedding_dim = embedding_dim
         self.dtype = dtype
+        self.tp, self.vocab_start = tp, start
 
     @classmethod
-    def from_gguf(cls, weight: GGUFWeight, dtype: torch.dtype, device: torch.device) -> QuantizedEmbedding:
+    def from_gguf(
+        cls, weight: GGUFWeight, dtype: torch.dtype, device: torch.device, tp: TensorParallel = SINGLE, start: int = 0
+    ) -> QuantizedEmbedding:
         device = torch.device(device)
         if device.type == "cpu" and not cpu.gguf_supports(weight.qtype, dtype, weight.shape[1]):
             raise ValueError(f"no CPU GGUF kernel for qtype {weight.qtype} in {dtype} (K={weight.shape[1]})")
-        return cls(_segments([weight], device)[0], weight.shape[1], dtype)
+        return cls(_segments([weight], device)[0], weight.shape[1], dtype, tp, start)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._lookup(ids)
+        end = self.vocab_start + self.num_embeddings
+        return vocab_parallel_lookup(self.tp, ids, self.vocab_start, end, self._lookup)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         s, flat = self.segment, ids.reshape(-1)
         if flat.device.type == "cpu":
             rows = cpu.gguf_embedding(flat.long(), s.data, s.qtype, s.size, self.embedding_dim, self.dtype)
