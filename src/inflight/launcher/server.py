@@ -306,12 +306,28 @@ class TritonServer:
 
     def model_state(self, model: str = MODEL_NAME) -> str | None:
         """The model's state in the repository index (READY, LOADING, UNLOADING, UNAVAILABLE), None if unknown."""
+        index = self._index()
+        return None if index is None else index.get(model, "UNAVAILABLE")
+
+    def _index(self) -> dict[str, str] | None:
+        """{model: state} of the repository index (the models of the repository's directory); None if the server
+        does not answer."""
         try:
             with urllib.request.urlopen(self._repository_post("index"), timeout=2) as resp:
-                index = json.loads(resp.read())
+                return {m.get("name"): m.get("state") for m in json.loads(resp.read())}
         except (urllib.error.URLError, OSError, ValueError):
             return None
-        return next((m.get("state") for m in index if m.get("name") == model), "UNAVAILABLE")
+
+    def _settle_companion(self, wait_s: float = 8.0) -> None:
+        """Before the server stops, give the readiness companion's load time to finish while its model is ready
+        and it is not (the front loads it then; a load takes a second or two): a model's stub that calls into the
+        server while the server unloads that model can crash, and the server then aborts (python_backend). The
+        index does not list the companion (it is loaded with its files), so its probe is asked."""
+        deadline = time.monotonic() + wait_s
+        while self.health_model is not None and time.monotonic() < deadline and self.process.poll() is None:
+            if not self.model_ready() or self.model_ready(self.health_model):
+                return
+            time.sleep(0.1)
 
     def unload_model(self, model: str) -> str | None:
         """Unload `model` through the repository API; None on success, else the error."""
@@ -378,6 +394,7 @@ class TritonServer:
         code = None
         if proc is not None:
             if proc.poll() is None:
+                self._settle_companion()
                 proc.send_signal(signal.SIGINT)
             try:
                 code = proc.wait(timeout=timeout_s if timeout_s is not None else self.exit_timeout_s + 10)

@@ -258,6 +258,8 @@ class TritonPythonModel:
             info.block_size,
             info.pid,
         )
+        if self.health is not None:
+            self.health.initialized()
 
     def execute(self, requests: list) -> None:
         cfg = self.loop.spec.config
@@ -342,8 +344,8 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         health = getattr(self, "health", None)
-        if health is not None:
-            health.stop()
+        if health is not None and not health.stop(wait_s=10.0):
+            log.warning("the readiness companion's thread is still in a Triton call after 10 s")
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.stop(timeout_s=10.0):
             log.warning("the responder thread is still busy after 10 s; leaving it behind")
