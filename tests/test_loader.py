@@ -151,7 +151,8 @@ def test_half_dtypes_load_and_run(demo_model_dir, dtype):
 
 
 def test_weight_bytes_counts_a_onednn_packed_linear(monkeypatch):
-    # Where our GEMM does not run (no AVX-512) a linear's weight is an opaque oneDNN tensor: no storage to read
+    # Where our GEMM does not run (neither AVX-512 nor AVX2) a linear's weight is an opaque oneDNN tensor: no storage
+    # to read
     from inflight.models import packed_linear
     from inflight.models.loader import weight_bytes
 

@@ -72,7 +72,7 @@ def test_the_layer_stack_in_one_call_starts_every_step_on_every_thread(demo_mode
     llm = LLM(demo_model_dir, num_kv_blocks=64, max_num_batched_tokens=256)
     runner = llm.engine.runner
     if not CpuForward.supported(runner.model, runner.ops):
-        pytest.skip("no AVX-512 GEMM on this CPU: the per-op path runs")
+        pytest.skip("our GEMM does not run this dtype on this CPU: the per-op path runs")
     assert runner.cpu_forward is not None and runner.single_thread_tokens == 0
     seen = []
     forward = runner.cpu_forward.__call__
@@ -139,7 +139,7 @@ def test_outputs_do_not_depend_on_the_thread_count(demo_model_dir, monkeypatch, 
     )
     runner = llm.engine.runner
     if layer_stack == "cpu_forward" and runner.cpu_forward is None:
-        pytest.skip("no AVX-512 GEMM on this CPU: the per-op path runs")
+        pytest.skip("our GEMM does not run this dtype on this CPU: the per-op path runs")
     runner.threads = None  # the count is set here, for every step
     captured = capture_logits(llm.engine)
     runs = {}

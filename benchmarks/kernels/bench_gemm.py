@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for dtype_name in args.dtype:
         dtype = DTYPES[dtype_name]
         if not cpu_gemm.gemm_supports(dtype, 2):
-            print(f"{dtype_name}: this CPU's build has no kernel for it (needs AVX-512 / AVX512-BF16)")
+            print(f"{dtype_name}: this CPU's build has no kernel for it (fp32: AVX-512 or AVX2; bf16: AVX512-BF16)")
             continue
         print(f"{dtype_name}, {results['threads']} thread(s): time ours / oneDNN (speedup), ours GFLOP/s, invariant")
         for name, k, n in shapes:

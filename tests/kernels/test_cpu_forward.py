@@ -44,7 +44,7 @@ def step_inputs(runner: ModelRunner) -> tuple[torch.Tensor, torch.Tensor, Attent
 @pytest.mark.parametrize("case", list(CASES))
 def test_same_bits_as_the_per_op_path(tmp_path, case, dtype):
     if not cpu.gemm_supports(dtype, 64):
-        pytest.skip(f"no AVX-512 GEMM for {dtype} on this CPU: the per-op path runs")
+        pytest.skip(f"our GEMM does not run {dtype} on this CPU: the per-op path runs")
     arch, extra = CASES[case]
     assert_same_bits(runner_for(make_checkpoint(tmp_path, arch, **extra), dtype))
 
@@ -106,7 +106,7 @@ def assert_same_bits(runner: ModelRunner) -> None:
 
 def test_bad_step_inputs_are_refused_before_any_thread_starts(demo_model_dir):
     if not cpu.gemm_supports(torch.float32, 64):
-        pytest.skip("no AVX-512 GEMM on this CPU")
+        pytest.skip("our GEMM does not run fp32 on this CPU")
     runner = runner_for(demo_model_dir, torch.float32)
     assert isinstance(runner.cpu_forward, CpuForward)
     ids, positions, meta = step_inputs(runner)

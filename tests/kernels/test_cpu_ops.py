@@ -263,8 +263,8 @@ def _keys_and_hashes(rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]
 
 @needs_op
 def test_gumbel_noise_finds_torchs_vector_logs():
-    # Where the build has AVX-512 the noise's log1p and log come from the SLEEF inside libtorch_cpu; a lookup
-    # that failed would leave a scalar call per lane (the same noise within ulps, ~50x slower).
+    # Where the build has AVX-512 or AVX2 the noise's log1p and log come from the SLEEF inside libtorch_cpu; a
+    # lookup that failed would leave a scalar call per lane (the same noise within ulps, ~50x slower).
     assert cpu.load().gumbel_vector_logs() == cpu.load().supports_f32()
 
 

@@ -118,7 +118,7 @@ def test_plain_torch_path_keeps_a_plan_per_window():
 
 
 def test_the_layer_stack_leaves_windowed_models_to_the_per_op_path(monkeypatch, demo_model_dir):
-    # Everything else supported (the GEMM checks stubbed: this host may lack AVX-512); any window says no.
+    # Everything else supported (the GEMM checks stubbed: this host may lack our GEMM); any window says no.
     monkeypatch.setattr(cpu_forward, "_runs_here", lambda linear, dtype: True)
     monkeypatch.setattr(cpu, "gemm_supports", lambda dtype, k: True)
     model, cfg = load_model(demo_model_dir, torch.float32, torch.device("cpu"))

@@ -169,7 +169,7 @@ def attach_lora(model, max_loras: int = 3, rank: int = 8, seed: int = 0) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_stack_with_adapters_gives_the_per_op_bits(demo_model_dir, dtype):
     if not cpu.gemm_supports(dtype, 64):
-        pytest.skip(f"no AVX-512 GEMM for {dtype} on this CPU: the per-op path runs")
+        pytest.skip(f"our GEMM does not run {dtype} on this CPU: the per-op path runs")
     runner = runner_for(demo_model_dir, dtype)
     attach_lora(runner.model)
     forward = CpuForward(runner.model, runner.kv_caches)  # built after the adapters are attached

@@ -50,7 +50,7 @@ def _runs_during(call) -> bool:
     return during
 
 
-@pytest.mark.skipif(not cpu.gemm_supports(torch.float32, 64), reason="our GEMM needs AVX-512 and a compiler")
+@pytest.mark.skipif(not cpu.gemm_supports(torch.float32, 64), reason="our GEMM needs AVX-512 or AVX2 and a compiler")
 def test_our_gemm_keeps_the_gil():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(512, 1024, generator=gen)

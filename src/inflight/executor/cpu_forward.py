@@ -3,8 +3,8 @@ layer inside one parallel region, the threads woken once a step instead of once 
 
 The ops are the same machine code as the per-op path (the C++ row and task functions are shared), so a step
 gives the same bits either way (tested) and every row still sums in a fixed order whatever the batch or the
-thread count. The per-op path stays for what this does not cover (no AVX-512, fp16, a linear our GEMM does
-not run) and as the oracle.
+thread count. The per-op path stays for what this does not cover (a CPU without AVX-512 or AVX2 + FMA, bf16
+without AVX512-BF16, fp16, a linear our GEMM does not run) and as the oracle.
 """
 
 from __future__ import annotations

@@ -229,9 +229,12 @@ def _install_packed(model: LlamaForCausalLM, packed: dict[str, GGUFWeight], dtyp
             if model.cfg.tie_word_embeddings:
                 model.lm_head = embedding.lm_head()
             continue
-        setattr(parent, attr, QuantizedLinear.from_gguf(weights, dtype, device))
-        for p in parts:  # the HF-named meta modules the fused one replaces
-            name = p.removesuffix(".weight").rpartition(".")[2]
+        names = [p.removesuffix(".weight").rpartition(".")[2] for p in parts]  # the HF-named modules it replaces
+        # Their biases (loaded as tensors: Qwen2's q/k/v), concatenated as the fused linear's outputs are.
+        biases = [getattr(parent, name).bias for name in names]
+        bias = torch.cat(biases) if biases[0] is not None else None
+        setattr(parent, attr, QuantizedLinear.from_gguf(weights, dtype, device, bias=bias))
+        for name in names:
             if name != attr and hasattr(parent, name):
                 delattr(parent, name)
 

@@ -1,7 +1,7 @@
 """CPU `Linear` layers (fp32 and bf16) with the weight packed once at load.
 
-Where this CPU has AVX-512 (and AVX512-BF16 for bf16), the weight goes into our own GEMM's panels
-(`inflight.ops.cpu`): faster than oneDNN on decode's skinny shapes and batch-invariant by construction.
+Where this CPU has AVX-512 or AVX2 with FMA for fp32 (AVX512-BF16 for bf16), the weight goes into our own GEMM's
+panels (`inflight.ops.cpu`): faster than oneDNN on decode's skinny shapes and batch-invariant by construction.
 Elsewhere the weight is pre-blocked for oneDNN (what inductor's freezing does), as follows.
 
 bf16: `F.linear` re-lays-out the weight for oneDNN on every call; packing once at load removes that and is

@@ -90,7 +90,8 @@ def paged_attention(
 
 
 def gemm_supports(dtype: torch.dtype, in_features: int) -> bool:
-    """Whether our GEMM runs this dtype and width here (AVX-512; AVX512-BF16 and an even K for bf16)."""
+    """Whether our GEMM runs this dtype and width here (fp32: AVX-512, or AVX2 with FMA; bf16: AVX512-BF16 and an
+    even K)."""
     module = load()
     if module is None:
         return False

@@ -46,6 +46,29 @@ static int64_t argmax_row(const float* x, int64_t n) {
     if (x[i] > m) m = x[i], arg = i;
   }
   return arg;
+#elif defined(__AVX2__)
+  const int64_t whole = n / 8 * 8;  // the same scan in eight lanes
+  if (whole == 0) return argmax_scalar(x, n);
+  const __m256i step = _mm256_set1_epi32(8);
+  __m256 best = _mm256_loadu_ps(x);
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = idx;
+  __m256i nan = nan_lanes8(best);
+  for (int64_t i = 8; i < whole; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    cur = _mm256_add_epi32(cur, step);
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);  // strict: a lane keeps its first maximum
+    best = _mm256_blendv_ps(best, v, gt);
+    idx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(idx), _mm256_castsi256_ps(cur), gt));
+    nan = _mm256_or_si256(nan, nan_lanes8(v));
+  }
+  if (!_mm256_testz_si256(nan, nan)) return argmax_scalar(x, n);  // rare: the first NaN's index
+  int64_t arg = argmax_lanes8(best, idx);
+  float m = x[arg];
+  for (int64_t i = whole; i < n; ++i) {  // the tail comes after every index above
+    if (nan_bits(x[i])) return i;
+    if (x[i] > m) m = x[i], arg = i;
+  }
+  return arg;
 #else
   return argmax_scalar(x, n);
 #endif

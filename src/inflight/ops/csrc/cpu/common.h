@@ -58,6 +58,25 @@ static inline int64_t argmax_lanes(__m512 best, __m512i idx) {
     if (bv[l] > m || (bv[l] == m && bi[l] < arg)) m = bv[l], arg = bi[l];
   return arg;
 }
+#elif defined(__AVX2__)
+#include <immintrin.h>
+// argmax_lanes over eight lanes (AVX2).
+static inline int64_t argmax_lanes8(__m256 best, __m256i idx) {
+  alignas(32) float bv[8];
+  alignas(32) int32_t bi[8];
+  _mm256_store_ps(bv, best);
+  _mm256_store_si256((__m256i*)bi, idx);
+  int64_t arg = bi[0];
+  float m = bv[0];
+  for (int l = 1; l < 8; ++l)
+    if (bv[l] > m || (bv[l] == m && bi[l] < arg)) m = bv[l], arg = bi[l];
+  return arg;
+}
+// Lanes whose fp32 bits are NaN, all ones (on the bits: -ffast-math may fold a float x != x test away).
+static inline __m256i nan_lanes8(__m256 v) {
+  return _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff)),
+                            _mm256_set1_epi32(0x7f800000));
+}
 #endif
 
 #define DISPATCH(TYPE, NAME, ...) AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, TYPE, NAME, __VA_ARGS__)

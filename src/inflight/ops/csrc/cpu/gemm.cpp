@@ -1,7 +1,8 @@
 // Our CPU GEMM: weights packed once in panels, each output summing its K products in order k = 0..K-1 into
 // one fp32 accumulator however many rows share the call: a row's result is the same bits at any batch size.
 // Layout: panels of NR outputs, zero-padded past N. fp32: [P][K][48]; bf16: [P][K/2][48][2], the pairs
-// vdpbf16ps (and AMX's tiles) multiply. The micro-kernel holds up to 10 rows x 48 outputs in 30 registers.
+// vdpbf16ps (and AMX's tiles) multiply. The micro-kernel holds up to 10 rows x 48 outputs in 30 registers
+// (AVX-512); with AVX2, up to 6 rows x 16-48 outputs in 12 of its 16, the panel in one to three passes.
 #include "gemm.h"
 
 #include <ATen/ATen.h>
@@ -14,10 +15,16 @@
 
 #include "ops.h"
 
-constexpr int MR = 10;  // rows per micro-kernel call, at most: 10 x 3 accumulators of the 32 vector registers
+#ifdef __AVX512F__
+constexpr int MR = 10;    // rows per micro-kernel call, at most: 10 x 3 accumulators of the 32 vector registers
+constexpr int WHOLE = 8;  // rows of a block where a chunk's rows are whole blocks of it (gemm_range)
+#else
+constexpr int MR = 6;  // AVX2: 6 rows x 2 vectors, 12 accumulators of the 16 registers
+constexpr int WHOLE = MR;
+#endif
 
 bool supports_f32() {
-#ifdef __AVX512F__
+#if GEMM_F32
   return true;
 #else
   return false;
@@ -76,6 +83,69 @@ static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, f
 static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr,       kernel_f32<1>, kernel_f32<2>, kernel_f32<3>,
                                                     kernel_f32<4>, kernel_f32<5>, kernel_f32<6>, kernel_f32<7>,
                                                     kernel_f32<8>, kernel_f32<9>, kernel_f32<10>};
+#elif GEMM_F32
+// AVX2: lanes valid.. of a vector masked off (vmaskmovps reads and writes only the others).
+static inline __m256i lane_mask8(int valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// R rows x vectors c0..c0+NV-1 of a panel. Each output's sum is the AVX-512 kernel's FMA chain (k in order, then
+// + bias or + 0): the same bits on either build, whatever R, NV or the pass.
+template <int R, int NV>
+static inline void pass_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy,
+                            const float* bias, int valid, int c0, const float* next, int j0, int nl) {
+  // Every loop over rows or vectors unrolled whole: GCC otherwise keeps the accumulators in memory.
+  __m256 acc[R][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k++) {
+    if (nl) prefetch_lines(next, k, j0, nl);
+    const float* wk = w + k * NR + 8 * c0;
+    __m256 b[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) {
+      b[j] = _mm256_loadu_ps(wk + 8 * j);
+      // Pinned in a register where the registers allow (an empty asm): GCC would reload it from L1 for each row.
+      if constexpr ((R + 1) * NV < 16) __asm__("" : "+x"(b[j]));
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+      const __m256 a = _mm256_broadcast_ss(x + i * ldx + k);
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; j++) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NV; j++) {
+    const int col = 8 * (c0 + j), left = valid - col;
+    if (left <= 0) continue;
+    const __m256i m = lane_mask8(left);
+    const __m256 bv = bias ? _mm256_maskload_ps(bias + col, m) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++) {
+      const __m256 v = _mm256_add_ps(acc[i][j], bv);
+      if (left >= 8)
+        _mm256_storeu_ps(y + i * ldy + col, v);
+      else
+        _mm256_maskstore_ps(y + i * ldy + col, m, v);
+    }
+  }
+}
+
+// R rows x one panel: 1-2 rows take all six vectors at once (six FMA chains a row), 3-4 rows three, 5-6 two;
+// the next panel's lines are pulled into L2 during the first pass.
+template <int R>
+static void kernel_f32(const float* x, int64_t ldx, const float* w, int64_t K, float* y, int64_t ldy, const float* bias,
+                       int valid, const float* next, int j0, int nl) {
+  constexpr int NV = R <= 2 ? 6 : R <= 4 ? 3 : 2;
+  for (int c = 0; c < NR / 8 && 8 * c < valid; c += NV)
+    pass_f32<R, NV>(x, ldx, w, K, y, ldy, bias, valid, c, next, j0, c == 0 ? nl : 0);
+}
+
+static const KernelFn<float> F32_KERNELS[MR + 1] = {nullptr,       kernel_f32<1>, kernel_f32<2>, kernel_f32<3>,
+                                                    kernel_f32<4>, kernel_f32<5>, kernel_f32<6>};
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -215,7 +285,7 @@ bool amx_for(int64_t K) {
 #endif
 }
 
-#ifdef __AVX512F__
+#if GEMM_F32
 static const KernelFn<float>* kernels_for(const float*) { return F32_KERNELS; }
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -239,10 +309,11 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
     const int valid = (int)std::min<int64_t>(NR, N - p * NR);
     // Blocks of 8 rows where the rows are whole 8s (a 10-row block's values outnumber the registers); otherwise
     // the fewest blocks, the rows shared evenly (9 rows: one block, not 8 + 1; 17: 9 + 8): a block of a row or
-    // two is bound by its FMA chains' latency and cost a pass over the panel as slow as a full one.
+    // two is bound by its FMA chains' latency and cost a pass over the panel as slow as a full one. (AVX2:
+    // blocks of up to 6 rows, shared evenly.)
     // The next task's panel is pulled into L2 while this one computes, 3 lines a step in all: with one or two
     // row blocks by each of them, with more by blocks 1-3 (block 0 reads its own panel, fetched the same way).
-    const int64_t n = m1 - m0, blocks = n % 8 == 0 ? n / 8 : (n + MR - 1) / MR, first = blocks <= 2 ? 0 : 1;
+    const int64_t n = m1 - m0, blocks = n % WHOLE == 0 ? n / WHOLE : (n + MR - 1) / MR, first = blocks <= 2 ? 0 : 1;
     const int64_t helpers = blocks <= 2 ? blocks : std::min<int64_t>(blocks - 1, 3);
     const T* next = t + 1 < end ? w + ((t + 1) % P) * panel_elems : nullptr;
     for (int64_t m = m0, b = 0; b < blocks; ++b) {
@@ -259,7 +330,7 @@ __attribute__((noinline)) void gemm_range(const T* x, int64_t ldx, const T* w, i
   }
 }
 
-#ifdef __AVX512F__
+#if GEMM_F32
 template void gemm_range<float>(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
                                 const float*, int64_t, int64_t);
 #endif
@@ -290,7 +361,7 @@ void linear(at::Tensor out, at::Tensor x, at::Tensor packed, std::optional<at::T
     TORCH_CHECK(bias->is_contiguous() && bias->numel() == N && bias->scalar_type() == x.scalar_type(), "bias [N]");
   if (M == 0) return;
   if (x.scalar_type() == at::kFloat) {
-#ifdef __AVX512F__
+#if GEMM_F32
     run<float>(x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), M, N, K, out.data_ptr<float>(),
                out.stride(0), bias.has_value() ? bias->data_ptr<float>() : nullptr, min_macs_per_thread);
     return;

@@ -8,6 +8,7 @@
 // same instructions as our GEMM (gemm.cpp): the result equals our GEMM over the dequantized weight, bit for
 // bit, at any batch size. Chunks of more rows than a fused kernel holds dequantize their panel once into a
 // scratch in gemm.cpp's layout and run gemm_range itself on it (the AMX tiles too, where bf16 uses them).
+// With AVX2 (fp32 only) the same arithmetic runs on 8-lane slices of a panel, one slice at a time.
 //
 // Packed layout: panel p (outputs 48p..48p+47) holds the row's blocks in k order, each block a record of
 // structure-of-arrays over the 48 lanes: fp16 scales [48], 6-bit scales u8 [groups][48], high quant bits
@@ -72,11 +73,30 @@ static INLINE void nibble_pair(__m512i b, __m512i& h, __m512 table, __m512& q0, 
     lo = _mm512_sub_epi32(lo, _mm512_set1_epi32(OFFSET)), hi = _mm512_sub_epi32(hi, _mm512_set1_epi32(OFFSET));
   q0 = _mm512_cvtepi32_ps(lo), q1 = _mm512_cvtepi32_ps(hi);
 }
+#elif GEMM_F32
+// AVX2: the same values eight lanes a vector, the nibbles masked and converted.
+static INLINE __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+static INLINE __m256i bytes8(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+static INLINE __m256i sbytes8(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)); }
+
+template <bool HIGH, int OFFSET>
+static INLINE void nibble_pair8(__m256i b, __m256i& h, __m256& q0, __m256& q1) {
+  __m256i lo = _mm256_and_si256(b, _mm256_set1_epi32(15)), hi = _mm256_srli_epi32(b, 4);
+  if (HIGH) {
+    const __m256i bit4 = _mm256_set1_epi32(16);
+    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(h, 4), bit4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi32(h, 3), bit4));
+    h = _mm256_srli_epi32(h, 2);
+  }
+  if (OFFSET)
+    lo = _mm256_sub_epi32(lo, _mm256_set1_epi32(OFFSET)), hi = _mm256_sub_epi32(hi, _mm256_set1_epi32(OFFSET));
+  q0 = _mm256_cvtepi32_ps(lo), q1 = _mm256_cvtepi32_ps(hi);
+}
 #endif
 
 // ---- formats: the file's block (repack) and the packed record's dequantization (block) ----
 // block(rec, fn) calls fn(k, w0, w1) for k = 0, 2, .., SB - 2 in order, w0/w1 the fp32 weights of k and k+1
-// for the 48 lanes (three vectors each).
+// for the 48 lanes (three vectors each); AVX2's lanes<NV>(rec, c, fn) the same for lanes c..c+8NV-1 (NV vectors).
 
 struct Q8_0F {
   static constexpr int SB = 32, FILE_BYTES = 34, BYTES = 48 * 34;
@@ -95,6 +115,23 @@ struct Q8_0F {
       for (int j = 0; j < 3; ++j) {
         w0[j] = _mm512_mul_ps(a[j], _mm512_cvtepi32_ps(sbytes16(qs + k * 48 + 16 * j)));
         w1[j] = _mm512_mul_ps(a[j], _mm512_cvtepi32_ps(sbytes16(qs + (k + 1) * 48 + 16 * j)));
+      }
+      fn(k, w0, w1);
+    }
+  }
+#elif GEMM_F32
+  template <int NV, class Fn>
+  static INLINE void lanes(const uint8_t* rec, int c, Fn&& fn) {
+    __m256 a[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) a[j] = half8(rec + 2 * (c + 8 * j));
+    const uint8_t* qs = rec + 96 + c;
+    for (int k = 0; k < 32; k += 2) {
+      __m256 w0[NV], w1[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) {
+        w0[j] = _mm256_mul_ps(a[j], _mm256_cvtepi32_ps(sbytes8(qs + k * 48 + 8 * j)));
+        w1[j] = _mm256_mul_ps(a[j], _mm256_cvtepi32_ps(sbytes8(qs + (k + 1) * 48 + 8 * j)));
       }
       fn(k, w0, w1);
     }
@@ -139,6 +176,35 @@ struct Q32F {
         } else {
           w0[j] = _mm512_mul_ps(a[j], q0);
           w1[j] = _mm512_mul_ps(a[j], q1);
+        }
+      }
+      fn(k, w0, w1);
+    }
+  }
+#elif GEMM_F32
+  template <int NV, class Fn>
+  static INLINE void lanes(const uint8_t* rec, int c, Fn&& fn) {
+    __m256 a[NV], m[NV];
+    __m256i h[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) {
+      a[j] = half8(rec + 2 * (c + 8 * j));
+      m[j] = HAS_M ? half8(rec + M_OFF + 2 * (c + 8 * j)) : _mm256_setzero_ps();
+      h[j] = HIGH ? _mm256_loadu_si256((const __m256i*)(rec + H_OFF + 4 * (c + 8 * j))) : _mm256_setzero_si256();
+    }
+    const uint8_t* qs = rec + Q_OFF + c;
+    for (int k = 0; k < 32; k += 2) {
+      __m256 w0[NV], w1[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) {
+        __m256 q0, q1;
+        nibble_pair8<HIGH, OFFSET>(bytes8(qs + (k / 2) * 48 + 8 * j), h[j], q0, q1);
+        if (HAS_M) {
+          w0[j] = _mm256_fmadd_ps(a[j], q0, m[j]);
+          w1[j] = _mm256_fmadd_ps(a[j], q1, m[j]);
+        } else {
+          w0[j] = _mm256_mul_ps(a[j], q0);
+          w1[j] = _mm256_mul_ps(a[j], q1);
         }
       }
       fn(k, w0, w1);
@@ -206,6 +272,36 @@ struct QKF {
       }
     }
   }
+#elif GEMM_F32
+  template <int NV, class Fn>
+  static INLINE void lanes(const uint8_t* rec, int c, Fn&& fn) {
+    __m256 d[NV], dmin[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) d[j] = half8(rec + 2 * (c + 8 * j)), dmin[j] = half8(rec + 96 + 2 * (c + 8 * j));
+    for (int g = 0; g < 8; ++g) {
+      __m256 a[NV], m[NV];
+      __m256i h[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) {
+        const int l = c + 8 * j;
+        a[j] = _mm256_mul_ps(d[j], _mm256_cvtepi32_ps(bytes8(rec + SC_OFF + g * 48 + l)));
+        m[j] = _mm256_mul_ps(dmin[j], _mm256_cvtepi32_ps(bytes8(rec + MN_OFF + g * 48 + l)));
+        h[j] = HIGH ? _mm256_loadu_si256((const __m256i*)(rec + H_OFF + g * 192 + 4 * l)) : _mm256_setzero_si256();
+      }
+      const uint8_t* qs = rec + Q_OFF + g * 16 * 48 + c;
+      for (int k = 0; k < 32; k += 2) {
+        __m256 w0[NV], w1[NV];
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) {
+          __m256 q0, q1;
+          nibble_pair8<HIGH, 0>(bytes8(qs + (k / 2) * 48 + 8 * j), h[j], q0, q1);
+          w0[j] = _mm256_fmsub_ps(a[j], q0, m[j]);
+          w1[j] = _mm256_fmsub_ps(a[j], q1, m[j]);
+        }
+        fn(32 * g + k, w0, w1);
+      }
+    }
+  }
 #endif
 };
 
@@ -251,6 +347,40 @@ struct Q6KF {
           h[j] = _mm512_srli_epi32(h[j], 4);
           w0[j] = _mm512_mul_ps(a[j], _mm512_cvtepi32_ps(_mm512_sub_epi32(lo, off)));
           w1[j] = _mm512_mul_ps(a[j], _mm512_cvtepi32_ps(_mm512_sub_epi32(hi, off)));
+        }
+        fn(16 * g + k, w0, w1);
+      }
+    }
+  }
+#elif GEMM_F32
+  template <int NV, class Fn>
+  static INLINE void lanes(const uint8_t* rec, int c, Fn&& fn) {
+    __m256 d[NV];
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; ++j) d[j] = half8(rec + 2 * (c + 8 * j));
+    const __m256i low4 = _mm256_set1_epi32(15), bits45 = _mm256_set1_epi32(0x30), off = _mm256_set1_epi32(32);
+    for (int g = 0; g < 16; ++g) {
+      __m256 a[NV];
+      __m256i h[NV];
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; ++j) {
+        const int l = c + 8 * j;
+        a[j] = _mm256_mul_ps(d[j], _mm256_cvtepi32_ps(sbytes8(rec + SC_OFF + g * 48 + l)));
+        h[j] = _mm256_loadu_si256((const __m256i*)(rec + H_OFF + g * 192 + 4 * l));
+      }
+      const uint8_t* qs = rec + Q_OFF + g * 8 * 48 + c;
+      for (int k = 0; k < 16; k += 2) {
+        __m256 w0[NV], w1[NV];
+#pragma GCC unroll 8
+        for (int j = 0; j < NV; ++j) {
+          const __m256i b = bytes8(qs + (k / 2) * 48 + 8 * j);
+          const __m256i lo =
+              _mm256_or_si256(_mm256_and_si256(b, low4), _mm256_and_si256(_mm256_slli_epi32(h[j], 4), bits45));
+          const __m256i hi =
+              _mm256_or_si256(_mm256_srli_epi32(b, 4), _mm256_and_si256(_mm256_slli_epi32(h[j], 2), bits45));
+          h[j] = _mm256_srli_epi32(h[j], 4);
+          w0[j] = _mm256_mul_ps(a[j], _mm256_cvtepi32_ps(_mm256_sub_epi32(lo, off)));
+          w1[j] = _mm256_mul_ps(a[j], _mm256_cvtepi32_ps(_mm256_sub_epi32(hi, off)));
         }
         fn(16 * g + k, w0, w1);
       }
@@ -328,6 +458,70 @@ static void dequant_panel(const uint8_t* panel, int64_t K, float* w, const uint8
     });
   }
 }
+#elif GEMM_F32
+static inline __m256i lane_mask8(int valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(valid), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// FMA chains in flight per row count: a row's sum is one dependent chain per vector (k, then k + 1), so a few rows
+// take several vectors of outputs at once, to hide the FMAs' latency.
+static constexpr int vectors_for(int rows) { return rows == 1 ? 3 : rows <= 4 ? 2 : 1; }
+
+// R rows x one panel, NV vectors of outputs at a time, dequantizing in registers: the AVX-512 kernel's FMAs in its
+// order for each output (then + bias or + 0), so the same bits as kernel_f32 over the dequantized panel.
+template <class F, int R>
+static void fused_f32(const float* x, int64_t ldx, const uint8_t* panel, int64_t K, float* y, int64_t ldy,
+                      const float* bias, int valid, const uint8_t*) {
+  constexpr int NV = vectors_for(R);
+  for (int c = 0; c < valid; c += 8 * NV) {
+    __m256 acc[R][NV];
+#pragma GCC unroll 8
+    for (int i = 0; i < R; i++)
+#pragma GCC unroll 8
+      for (int j = 0; j < NV; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < K / F::SB; ++b) {
+      const float* xb = x + b * F::SB;
+      F::template lanes<NV>(panel + b * F::BYTES, c, [&](int k, const __m256* w0, const __m256* w1) LAMBDA_INLINE {
+#pragma GCC unroll 8
+        for (int i = 0; i < R; i++) {
+          const __m256 a0 = _mm256_broadcast_ss(xb + i * ldx + k), a1 = _mm256_broadcast_ss(xb + i * ldx + k + 1);
+#pragma GCC unroll 8
+          for (int j = 0; j < NV; j++) acc[i][j] = _mm256_fmadd_ps(a1, w1[j], _mm256_fmadd_ps(a0, w0[j], acc[i][j]));
+        }
+      });
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < NV; j++) {
+      const int left = valid - c - 8 * j;
+      if (left <= 0) continue;
+      const __m256i m = lane_mask8(left);
+      const __m256 bv = bias ? _mm256_maskload_ps(bias + c + 8 * j, m) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+      for (int i = 0; i < R; i++) {
+        const __m256 v = _mm256_add_ps(acc[i][j], bv);
+        if (left >= 8)
+          _mm256_storeu_ps(y + i * ldy + c + 8 * j, v);
+        else
+          _mm256_maskstore_ps(y + i * ldy + c + 8 * j, m, v);
+      }
+    }
+  }
+}
+
+template <class F>
+static void dequant_panel(const uint8_t* panel, int64_t K, float* w, const uint8_t* next) {
+  for (int64_t b = 0; b < K / F::SB; ++b) {
+    prefetch_block(next, b, F::BYTES);
+    float* wb = w + b * F::SB * NR;
+    for (int c = 0; c < NR; c += 16)
+      F::template lanes<2>(panel + b * F::BYTES, c, [&](int k, const __m256* w0, const __m256* w1) LAMBDA_INLINE {
+        for (int j = 0; j < 2; j++) {
+          _mm256_storeu_ps(wb + k * NR + c + 8 * j, w0[j]);
+          _mm256_storeu_ps(wb + (k + 1) * NR + c + 8 * j, w1[j]);
+        }
+      });
+  }
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -387,7 +581,7 @@ static void dequant_panel(const uint8_t* panel, int64_t K, uint16_t* w, const ui
 template <typename T>
 using FusedFn = void (*)(const T*, int64_t, const uint8_t*, int64_t, T*, int64_t, const T*, int, const uint8_t*);
 
-#ifdef __AVX512F__
+#if GEMM_F32
 template <class F>
 static FusedFn<float> fused_for(const float*, int rows) {
   static const FusedFn<float> table[FUSED_ROWS + 1] = {nullptr,         fused_f32<F, 1>, fused_f32<F, 2>,
@@ -496,7 +690,7 @@ __attribute__((noinline)) void gguf_gemm_range(const T* x, int64_t ldx, const ui
   dispatch<T>(qtype, [&](auto f) { range_impl<decltype(f), T>(x, ldx, w, M, N, K, y, ldy, bias, begin, end); });
 }
 
-#ifdef __AVX512F__
+#if GEMM_F32
 template void gguf_gemm_range<float>(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*,
                                      int64_t, const float*, int64_t, int64_t);
 #endif
@@ -543,7 +737,7 @@ void gguf_linear(at::Tensor out, at::Tensor x, at::Tensor packed, int64_t qtype,
   const int64_t grain = std::max<int64_t>(1, min_macs_per_thread / task_macs);
   const uint8_t* w = packed.data_ptr<uint8_t>();
   if (x.scalar_type() == at::kFloat) {
-#ifdef __AVX512F__
+#if GEMM_F32
     const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
     const float* xp = x.data_ptr<float>();
     float* yp = out.data_ptr<float>();
@@ -597,6 +791,36 @@ void gguf_embedding_rows(at::Tensor out, at::Tensor ids, at::Tensor packed, int6
           F::block(panel + b * F::BYTES, [&](int k, const __m512* w0, const __m512* w1) LAMBDA_INLINE {
             for (int j = 0; j < 3; j++)
               _mm512_store_ps(row[0] + 16 * j, w0[j]), _mm512_store_ps(row[1] + 16 * j, w1[j]);
+            const int64_t kk = b * F::SB + k;
+            if (bf16) {
+              ob[kk] = from_f<c10::BFloat16>(row[0][lane]), ob[kk + 1] = from_f<c10::BFloat16>(row[1][lane]);
+            } else {
+              of[kk] = row[0][lane], of[kk + 1] = row[1][lane];
+            }
+          });
+        }
+      }
+    });
+  });
+  return;
+#elif GEMM_F32
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  char* base = static_cast<char*>(out.data_ptr());
+  const int64_t row_stride = out.stride(0) * out.element_size();
+  dispatch<void>(qtype, [&](auto f) {
+    using F = decltype(f);
+    at::parallel_for(0, T, std::max<int64_t>(1, 8192 / K), [&](int64_t t0, int64_t t1) {
+      alignas(32) float row[2][8];
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t p = id[t] / NR, lane = id[t] % NR % 8;
+        const int c = (int)(id[t] % NR - lane);  // the row's slice of its panel
+        const uint8_t* panel = w + p * panel_bytes<F>(K);
+        float* of = reinterpret_cast<float*>(base + t * row_stride);
+        c10::BFloat16* ob = reinterpret_cast<c10::BFloat16*>(base + t * row_stride);
+        for (int64_t b = 0; b < K / F::SB; ++b) {
+          F::template lanes<1>(panel + b * F::BYTES, c, [&](int k, const __m256* w0, const __m256* w1) LAMBDA_INLINE {
+            _mm256_store_ps(row[0], w0[0]), _mm256_store_ps(row[1], w1[0]);
             const int64_t kk = b * F::SB + k;
             if (bf16) {
               ob[kk] = from_f<c10::BFloat16>(row[0][lane]), ob[kk + 1] = from_f<c10::BFloat16>(row[1][lane]);

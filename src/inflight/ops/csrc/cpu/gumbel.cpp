@@ -77,6 +77,68 @@ inline __m512 noise16(__m512i key, __m512i hashed) {
   const Logs& l = logs();
   return _mm512_xor_ps(l.log(_mm512_xor_ps(l.log1p(f), sign)), sign);
 }
+#elif defined(__AVX2__)
+using Vec8Fn = __m256 (*)(__m256);
+
+// Eight lanes of f through a scalar function: where libtorch_cpu exports no SLEEF.
+template <float (*F)(float)>
+__m256 each_lane(__m256 v) {
+  alignas(32) float a[8];
+  _mm256_store_ps(a, v);
+  for (float& x : a) x = F(x);
+  return _mm256_load_ps(a);
+}
+float log1p_f(float x) { return std::log1p(x); }
+float log_f(float x) { return std::log(x); }
+
+// SLEEF's eight-lane log1p and log (1.0 ulp), found as the AVX-512 build finds its sixteen-lane ones.
+struct Logs {
+  Vec8Fn log1p = nullptr, log = nullptr;
+  bool sleef = false;
+  Logs() {
+    for (void* where : {RTLD_DEFAULT, dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD)}) {
+      if (where == nullptr) continue;
+      log1p = reinterpret_cast<Vec8Fn>(dlsym(where, "Sleef_log1pf8_u10"));
+      log = reinterpret_cast<Vec8Fn>(dlsym(where, "Sleef_logf8_u10"));
+      if ((sleef = log1p != nullptr && log != nullptr)) return;
+    }
+    log1p = each_lane<log1p_f>, log = each_lane<log_f>;
+  }
+};
+const Logs& logs() {
+  static const Logs l;
+  return l;
+}
+
+inline __m256i lane_mask8(int64_t valid) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int32_t(std::min<int64_t>(valid, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline __m256 noise8(__m256i key, __m256i hashed) {
+  __m256i x = _mm256_xor_si256(key, hashed);
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int32_t(C1)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int32_t(C2)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  // float(x) of a uint32 (AVX2 converts signed lanes only): both 16-bit halves exact, one rounding of their sum;
+  // scaling by powers of two is exact, so any order -ffast-math picks gives noise1's value.
+  const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(x, 16)), _mm256_set1_ps(65536.0f));
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xffff)));
+  __m256 f = _mm256_mul_ps(_mm256_add_ps(hi, lo), _mm256_set1_ps(U_SCALE));
+  f = _mm256_min_ps(_mm256_max_ps(f, _mm256_set1_ps(U_LO)), _mm256_set1_ps(U_HI));
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const Logs& l = logs();
+  return _mm256_xor_ps(l.log(_mm256_xor_ps(l.log1p(f), sign)), sign);
+}
+
+// a / b, correctly rounded: vdivps itself (-ffast-math may turn a written division into a reciprocal's product).
+inline __m256 divide8(__m256 a, __m256 b) {
+  __m256 r;
+  asm("vdivps %2, %1, %0" : "=x"(r) : "x"(a), "x"(b));
+  return r;
+}
 #endif
 
 // x / t, correctly rounded as torch divides: -ffast-math may otherwise turn it into x * (1 / t).
@@ -91,6 +153,14 @@ void noise_row(float* out, uint32_t key, const int32_t* hashed, int64_t n) {
   if (i < n) {
     const __mmask16 m = __mmask16((1u << (n - i)) - 1);
     _mm512_mask_storeu_ps(out + i, m, noise16(k, _mm512_maskz_loadu_epi32(m, hashed + i)));
+    return;
+  }
+#elif defined(__AVX2__)
+  const __m256i k = _mm256_set1_epi32(int32_t(key));
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, noise8(k, _mm256_loadu_si256((const __m256i*)(hashed + i))));
+  if (i < n) {  // the tail through the same vector function: a token's noise does not depend on its place
+    const __m256i m = lane_mask8(n - i);
+    _mm256_maskstore_ps(out + i, m, noise8(k, _mm256_maskload_epi32(hashed + i, m)));
     return;
   }
 #endif
@@ -147,6 +217,29 @@ int64_t argmax_row(const float* x, float t, uint32_t key, const int32_t* hashed,
   }
   if (nan) return argmax_row_scalar(x, t, key, hashed, n, floor);
   return argmax_lanes(best, idx);  // lanes past a short row hold -inf at indices past it: they never win
+#elif defined(__AVX2__)
+  const __m256i k = _mm256_set1_epi32(int32_t(key)), step = _mm256_set1_epi32(8);
+  const __m256 fl = _mm256_set1_ps(floor), ninf = _mm256_set1_ps(-INFINITY), temp = _mm256_set1_ps(t);
+  __m256i nan = _mm256_setzero_si256();
+  auto score = [&](int64_t i) {  // the AVX-512 path's, in eight lanes
+    const __m256i m = lane_mask8(n - i);
+    const __m256 v = divide8(_mm256_maskload_ps(x + i, m), temp);
+    nan = _mm256_or_si256(nan, nan_lanes8(v));  // lanes past the row hold 0 / t: never NaN
+    const __m256 s = _mm256_add_ps(v, noise8(k, _mm256_maskload_epi32(hashed + i, m)));
+    const __m256 keep = _mm256_andnot_ps(_mm256_cmp_ps(v, fl, _CMP_LT_OQ), _mm256_castsi256_ps(m));
+    return _mm256_blendv_ps(ninf, s, keep);
+  };
+  __m256 best = score(0);
+  __m256i idx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = idx;
+  for (int64_t i = 8; i < n; i += 8) {
+    const __m256 v = score(i);
+    cur = _mm256_add_epi32(cur, step);
+    const __m256 gt = _mm256_cmp_ps(v, best, _CMP_GT_OQ);
+    best = _mm256_blendv_ps(best, v, gt);
+    idx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(idx), _mm256_castsi256_ps(cur), gt));
+  }
+  if (!_mm256_testz_si256(nan, nan)) return argmax_row_scalar(x, t, key, hashed, n, floor);
+  return argmax_lanes8(best, idx);
 #else
   return argmax_row_scalar(x, t, key, hashed, n, floor);
 #endif
@@ -159,7 +252,7 @@ void check_keys(const at::Tensor& keys, int64_t rows) {
 }  // namespace
 
 bool gumbel_vector_logs() {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
   return logs().sleef;
 #else
   return false;

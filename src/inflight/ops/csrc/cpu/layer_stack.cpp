@@ -344,7 +344,7 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
   }
   if (T == 0) return;
   if (dt == at::kFloat) {
-#ifdef __AVX512F__
+#if GEMM_F32
     forward_impl<float, float>(out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches,
                                quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale, lora_w, lora_slots);
     return;
