@@ -174,7 +174,8 @@ def test_waits_for_the_server_to_start_asking_it_over_http_not_through_the_stub(
 
 def test_the_servers_readiness_url_comes_from_its_command_line(tmp_path, monkeypatch):
     fake = {"123": ["tritonserver", "--model-repository=/m", "--http-port=8123"], "124": ["tritonserver"],
-            "125": ["tritonserver", "--http-port", "9000"], "126": ["tritonserver", "--allow-http=false"]}  # fmt: skip
+            "125": ["tritonserver", "--http-port", "9000"], "126": ["tritonserver", "--allow-http=false"],
+            "127": ["tritonserver", "--http-address=10.0.0.5", "--http-port=81"]}  # fmt: skip
     real_open = open
 
     def fake_open(path, *args, **kwargs):
@@ -188,6 +189,7 @@ def test_the_servers_readiness_url_comes_from_its_command_line(tmp_path, monkeyp
     assert server_ready_url(124) == "http://127.0.0.1:8000/v2/health/ready"
     assert server_ready_url(125) == "http://127.0.0.1:9000/v2/health/ready"
     assert server_ready_url(126) is None
+    assert server_ready_url(127) == "http://10.0.0.5:81/v2/health/ready"
 
 
 def test_names():

@@ -36,15 +36,16 @@ def server_ready_url(pid: int | None = None) -> str | None:
             args = f.read().decode(errors="replace").split("\0")
     except OSError:
         return None
-    port = "8000"
+    given = {"--http-port": "8000", "--http-address": "0.0.0.0", "--allow-http": "true"}
     for i, arg in enumerate(args):
-        if arg.startswith("--allow-http=") and arg.split("=", 1)[1].lower() in ("false", "0"):
-            return None
-        if arg.startswith("--http-port="):
-            port = arg.split("=", 1)[1]
-        elif arg == "--http-port" and i + 1 < len(args):
-            port = args[i + 1]
-    return f"http://127.0.0.1:{port}/v2/health/ready"
+        name, eq, value = arg.partition("=")
+        if name in given:
+            given[name] = value if eq else (args[i + 1] if i + 1 < len(args) else "")
+    if given["--allow-http"].lower() in ("false", "0"):
+        return None
+    host = given["--http-address"]
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else f"[{host}]" if ":" in host else host
+    return f"http://{host}:{given['--http-port']}/v2/health/ready"
 
 
 def _server_started() -> bool:
