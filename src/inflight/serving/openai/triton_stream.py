@@ -99,6 +99,23 @@ def _flag(name: str, value: bool) -> grpcclient.InferInput:
     return _input(name, np.array([value]))
 
 
+CONNECT_GRACE_S = 2.0
+# tritonclient's own options (messages of any size, its keepalive), and reconnects at most 1 s apart (gRPC's
+# default backoff grows to 120 s while the server is down, and calls fail at once in between).
+_KEEPALIVE = grpcclient.KeepAliveOptions()
+_CHANNEL_ARGS = [
+    ("grpc.max_send_message_length", 2**31 - 1),  # tritonclient's MAX_GRPC_MESSAGE_SIZE
+    ("grpc.max_receive_message_length", 2**31 - 1),
+    ("grpc.keepalive_time_ms", _KEEPALIVE.keepalive_time_ms),
+    ("grpc.keepalive_timeout_ms", _KEEPALIVE.keepalive_timeout_ms),
+    ("grpc.keepalive_permit_without_calls", _KEEPALIVE.keepalive_permit_without_calls),
+    ("grpc.http2.max_pings_without_data", _KEEPALIVE.http2_max_pings_without_data),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
 class TritonLLM:
     """The `llm` model at `url`, as an async generator of ModelOutputs per request."""
 
@@ -114,7 +131,7 @@ class TritonLLM:
     def client(self) -> grpcaio.InferenceServerClient:
         # Created lazily inside the running event loop: grpc.aio channels belong to the loop that made them.
         if self._client is None:
-            self._client = grpcaio.InferenceServerClient(self.url)
+            self._client = grpcaio.InferenceServerClient(self.url, channel_args=_CHANNEL_ARGS)
         return self._client
 
     async def close(self) -> None:
@@ -126,10 +143,18 @@ class TritonLLM:
 
     async def parameters(self) -> dict[str, str]:
         """The model's config.pbtxt `parameters` (engine settings, e.g. `model`, `max_model_len`)."""
-        try:
-            config = await self.client.get_model_config(self.model, as_json=True, client_timeout=10)
-        except InferenceServerException as e:
-            raise TritonUnavailable(f"cannot read the config of model '{self.model}' at {self.url}: {e}") from None
+        deadline = asyncio.get_running_loop().time() + CONNECT_GRACE_S
+        while True:
+            try:
+                config = await self.client.get_model_config(self.model, as_json=True, client_timeout=10)
+                break
+            except InferenceServerException as e:
+                # A channel that failed to connect (the server was not up yet) fails calls at once until its next
+                # attempt: retried for a moment, a request right after the server came up is served.
+                if e.status() == "StatusCode.UNAVAILABLE" and asyncio.get_running_loop().time() < deadline:
+                    await asyncio.sleep(0.1)
+                    continue
+                raise TritonUnavailable(f"cannot read the config of model '{self.model}' at {self.url}: {e}") from None
         params = config.get("config", {}).get("parameters", {})
         return {k: v.get("string_value", "") for k, v in params.items()}
 
