@@ -3,8 +3,9 @@
 
 #include <cstdint>
 
-// Builds with our fp32 GEMM: AVX-512 (a panel is three 16-lane vectors) or AVX2 with FMA (six 8-lane vectors).
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+// Builds with our fp32 GEMM: AVX-512 (a panel is three 16-lane vectors) or AVX2 with FMA (six 8-lane vectors; and
+// F16C for GGUF's scales, which every CPU with those two has).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #define GEMM_F32 1
 #else
 #define GEMM_F32 0

@@ -8,7 +8,7 @@
 // same instructions as our GEMM (gemm.cpp): the result equals our GEMM over the dequantized weight, bit for
 // bit, at any batch size. Chunks of more rows than a fused kernel holds dequantize their panel once into a
 // scratch in gemm.cpp's layout and run gemm_range itself on it (the AMX tiles too, where bf16 uses them).
-// With AVX2 (fp32 only) the same arithmetic runs on 8-lane slices of a panel, one slice at a time.
+// With AVX2 (fp32 only) the same arithmetic runs in 8-lane vectors, one to three of a panel's six at a time.
 //
 // Packed layout: panel p (outputs 48p..48p+47) holds the row's blocks in k order, each block a record of
 // structure-of-arrays over the 48 lanes: fp16 scales [48], 6-bit scales u8 [groups][48], high quant bits
