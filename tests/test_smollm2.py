@@ -205,14 +205,15 @@ def test_packed_weights_give_the_dequantized_models_logits(gguf_path, tokenizer,
     assert torch.equal(packed, dequantized)
 
 
-def test_packed_weights_stay_the_files_size(gguf_path):
-    _packed_or_skip(gguf_path, torch.bfloat16)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_packed_weights_stay_the_files_size(gguf_path, dtype):
+    _packed_or_skip(gguf_path, getattr(torch, dtype))
     file_bytes = sum(int(t.n_bytes) for t in gguf_metadata(gguf_path).reader.tensors)
-    model, _ = load_model(gguf_path, torch.bfloat16, "cpu", "packed")
+    model, _ = load_model(gguf_path, getattr(torch, dtype), "cpu", "packed")
     held = weight_bytes(model)
     assert held <= 1.15 * file_bytes, (held, file_bytes)
-    dequantized, _ = load_model(gguf_path, torch.bfloat16, "cpu", "dequantized")
-    assert weight_bytes(dequantized) > 2.5 * held  # bf16 weights and the tied head's packed copy
+    dequantized, _ = load_model(gguf_path, getattr(torch, dtype), "cpu", "dequantized")
+    assert weight_bytes(dequantized) > 2.5 * held  # the dequantized weights and the tied head's packed copy
 
 
 def test_lora_adapters_on_smollm2_equal_peft(gguf_path, tokenizer, hf_smollm, tmp_path):
