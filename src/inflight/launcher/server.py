@@ -30,7 +30,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from inflight.launcher.triton_dist import LauncherError, find_server, prepare_backends, server_env
-from inflight.serving.health import HEALTH_MODEL_PARAMETER, health_model_name
+from inflight.serving.health import HEALTH_MODEL_PARAMETER, answers, health_model_name
 
 __all__ = ["LauncherError", "TritonServer", "free_port", "free_ports", "write_model_repository", "write_multi_lora"]
 
@@ -289,11 +289,7 @@ class TritonServer:
 
     @staticmethod
     def _answers(url: str) -> bool:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+        return answers(url)
 
     def _repository_post(self, path: str) -> urllib.request.Request:
         """A POST to the repository API at /v2/repository/`path`, with this launch's secret."""

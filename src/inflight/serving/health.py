@@ -50,10 +50,11 @@ def server_ready_url(pid: int | None = None) -> str | None:
 
 def _server_started() -> bool:
     url = server_ready_url()
-    return url is None or _answers(url)
+    return url is None or answers(url)
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
+    """Whether a GET of `url` says 200 now (2 s at most)."""
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return resp.status == 200
