@@ -32,6 +32,16 @@ class FlakyEngine(LLMEngine):
         return super().step()
 
 
+class SlowEngine(LLMEngine):
+    """Each step takes at least STEP_S: a test can act while a request is surely still running."""
+
+    STEP_S = 0.05
+
+    def step(self):
+        time.sleep(self.STEP_S)
+        return super().step()
+
+
 class BreakableEngine(LLMEngine):
     broken = False
 

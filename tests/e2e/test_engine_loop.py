@@ -315,12 +315,14 @@ def test_core_death_fails_in_flight_requests_at_once_and_the_core_restarts(demo_
 def test_a_dead_cores_gauges_go_idle_at_once_not_after_the_restart(demo_model_dir):
     """The metrics must not show the dead core's KV blocks and running requests while a new core loads."""
     published = []
-    loop = EngineLoop(spec(demo_model_dir), on_iteration=lambda state, _: published.append(state),
+    loop = EngineLoop(spec(demo_model_dir, "faulty_engines:SlowEngine"),
+                      on_iteration=lambda state, _: published.append(state),
                       metrics_interval_s=0.05, restart_backoff_s=5.0).start()  # fmt: skip
     try:
         first_pid = loop.core_pid
-        rec = submit(loop, max_tokens=200, ignore_eos=True)
+        rec = submit(loop, max_tokens=200, ignore_eos=True)  # 200 steps of >= 50 ms: still running at the kill
         assert rec.started.wait(30) and _wait(lambda: published and published[-1].num_kv_blocks_used > 0)
+        assert not rec.done.is_set()
         os.kill(first_pid, signal.SIGKILL)
         assert rec.done.wait(10)
         idle = _wait(lambda: published[-1].num_kv_blocks_used == 0 and published[-1].num_running == 0, timeout_s=3)
