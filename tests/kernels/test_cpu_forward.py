@@ -2,7 +2,8 @@
 
 Both run the same row functions and GEMM tasks, so the oracle is exact: the same hidden states and the
 same K/V written, bit for bit, for every family the loader supports (Llama with llama3 RoPE and a tied
-head, Mistral, Qwen2's qkv bias, Qwen3's q/k norms and a head_dim of its own), in fp32 and bf16, on a
+head, Mistral, Qwen2's qkv bias, Qwen3's q/k norms and a head_dim of its own, Mixture-of-Experts layers beside
+dense ones), in fp32 and bf16, on a
 batch that mixes a fresh prompt, decode rows and a chunk after a cached prefix, on one thread, on all and
 on more threads than cores.
 The HF-reference tests (test_engine_reference, test_bf16_reference, test_loader) run through it too,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.families import MOE_FAMILIES, write_family
 from test_loader import CASES, make_checkpoint
 
 from inflight.executor.attention import AttentionMetadata
@@ -75,6 +77,38 @@ def test_gguf_layers_give_the_same_bits_as_the_per_op_path(tmp_path, qtype, dtyp
         attn.qkv_proj = QuantizedLinear.from_gguf(parts, dtype, torch.device("cpu"))
         assert len(attn.qkv_proj.segments) == 2
     assert_same_bits(ModelRunner(model, 64, BLOCK, 256, dtype, torch.device("cpu"), "torch"))
+
+
+# MoE families the stack runs: Qwen3-MoE with a dense layer among its sparse ones, Mixtral (renormalised top-k)
+MOE_CASES = {
+    "qwen3-moe-one-dense-layer": ("Qwen3MoeForCausalLM", dict(mlp_only_layers=[1], num_hidden_layers=3)),
+    "mixtral": ("MixtralForCausalLM", dict()),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_layers_give_the_same_bits_as_the_per_op_path(tmp_path, case, dtype):
+    """The router and the grouped expert GEMM inside the stack's region: the per-op path's row and task functions."""
+    if not cpu.gemm_supports(dtype, 64):
+        pytest.skip(f"our GEMM does not run {dtype} on this CPU: the per-op path runs")
+    arch, extra = MOE_CASES[case]
+    config_class, fields = MOE_FAMILIES[arch]
+    path, _ = write_family(tmp_path, arch, config_class, fields | extra)
+    runner = runner_for(path, dtype)
+    sparse = [type(layer.mlp).__name__ == "SparseMoeBlock" for layer in runner.model.model.layers]
+    assert any(sparse) and (case != "qwen3-moe-one-dense-layer" or sparse == [True, False, True])
+    assert_same_bits(runner)
+
+
+@pytest.mark.parametrize("arch", ["OlmoeForCausalLM", "Qwen2MoeForCausalLM"])
+def test_a_shared_expert_or_a_whole_projection_norm_runs_op_by_op(tmp_path, arch):
+    """Qwen2-MoE's gated shared expert and OLMoE's q/k norm over the whole projection have no place in the stack."""
+    if not cpu.gemm_supports(torch.float32, 64):
+        pytest.skip("our GEMM does not run fp32 on this CPU")
+    config_class, fields = MOE_FAMILIES[arch]
+    path, _ = write_family(tmp_path, arch, config_class, fields)
+    assert runner_for(path, torch.float32).cpu_forward is None
 
 
 def assert_same_bits(runner: ModelRunner) -> None:

@@ -240,8 +240,11 @@ def llama_forward(
     segment_table: torch.Tensor | None = None,  # int64 [segments, 5]: (layer, gemm 0-3, qtype, start, N) each
     lora: list[torch.Tensor] | None = None,  # (a, b, offsets) per layer and gemm 0-3 (three empty tensors: none)
     token_slots: torch.Tensor | None = None,  # int32 [T]: each token's adapter slot, -1 for none; None: no adapter
+    moe: list[torch.Tensor] | None = None,  # (router, moe_pack'ed w13, w2) per layer (three empty tensors: dense)
+    top_k: int = 0,
+    renormalize: bool = False,
 ) -> torch.Tensor:
-    """The Llama layer stack as one call a step; returns `out`."""
+    """The Llama layer stack (dense or Mixture-of-Experts MLPs) as one call a step; returns `out`."""
     if segment_table is None:
         segments, segment_table = [], _NO_SEGMENTS
     if token_slots is None:
@@ -249,7 +252,7 @@ def llama_forward(
     with record("llama_forward"):
         (_module or load()).llama_forward(
             out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches, final_norm,
-            *dims, eps, qk_eps, scale, segments, segment_table, lora or [], token_slots,
+            *dims, eps, qk_eps, scale, segments, segment_table, lora or [], token_slots, moe or [], top_k, renormalize,
         )  # fmt: skip
     return out
 

@@ -179,11 +179,16 @@ class TorchBackend:
             and experts.w13.dtype == x.dtype
             and x.stride(-1) == 1
         ):
-            packed = experts.cpu_packed
-            if packed is None or packed[0].dtype != x.dtype:
-                packed = experts.cpu_packed = cpu.moe_pack(experts.w13, experts.w2)
-            return cpu.fused_moe(x, packed, topk_weights, topk_ids)
+            return cpu.fused_moe(x, packed_experts(experts), topk_weights, topk_ids)
         return reference.fused_moe(x, experts.w13, experts.w2, topk_weights, topk_ids)
+
+
+def packed_experts(experts: FusedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts in the C++ grouped GEMM's panels (`cpu.moe_pack`), made on first use and kept on the module."""
+    packed = experts.cpu_packed
+    if packed is None or packed[0].dtype != experts.w13.dtype:
+        packed = experts.cpu_packed = cpu.moe_pack(experts.w13, experts.w2)
+    return packed
 
 
 def token_rows(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,54 +1,17 @@
 // The Llama layer stack as one call a step: every op of every layer inside one parallel region, the threads
 // woken once a step and meeting at a barrier between ops (llama.cpp's design). The ops are the per-op path's
-// own row and task functions (ops.h, gemm.h): a step gives the same bits either way.
-#include <linux/futex.h>
+// own row and task functions (ops.h, gemm.h): a step gives the same bits either way. A layer's MLP is either
+// dense (SwiGLU on our GEMM) or a Mixture-of-Experts block (the router, then the grouped expert GEMM).
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <x86intrin.h>
 
 #include <atomic>
-#include <climits>
+#include <type_traits>
 #include <vector>
 
 #include "common.h"
 #include "gemm.h"
 #include "gguf_gemm.h"
 #include "ops.h"
-
-// The step's threads meet here between ops. A waiter spins first (its peer is mid-op, microseconds away)
-// for up to SPIN_TICKS of the time-stamp counter, then sleeps on a futex until the last one arrives: with
-// the cores shared, a waiter that kept spinning or yielding took the core its peer needed.
-constexpr uint64_t SPIN_TICKS = 1u << 17;
-
-struct SpinBarrier {
-  std::atomic<int> arrived{0};
-  std::atomic<int> phase{0};
-  std::atomic<int> sleepers{0};
-  void wait(int n) {
-    if (n == 1) return;
-    const int ph = phase.load(std::memory_order_acquire);
-    if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-      arrived.store(0, std::memory_order_relaxed);
-      phase.store(ph + 1, std::memory_order_seq_cst);
-      // seq_cst on both sides: either a sleeper is counted here, or it sees the new phase before sleeping
-      if (sleepers.load(std::memory_order_seq_cst) > 0)
-        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-      return;
-    }
-    const uint64_t start = __rdtsc();
-    while (phase.load(std::memory_order_acquire) == ph) {
-      if (__rdtsc() - start < SPIN_TICKS) {
-        _mm_pause();
-        continue;
-      }
-      sleepers.fetch_add(1, std::memory_order_seq_cst);
-      while (phase.load(std::memory_order_seq_cst) == ph)  // the kernel sleeps only if it is still ph
-        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAIT_PRIVATE, ph, nullptr, nullptr, 0);
-      sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  }
-};
 
 static inline void share(int64_t n, int tid, int nt, int64_t& b, int64_t& e) {
   b = n * tid / nt;
@@ -72,6 +35,11 @@ struct QuantSegment {
   int64_t qtype, start, N;
 };
 
+template <typename S>
+struct MoeLayer {
+  const S *router, *w13, *w2;
+};
+
 // S: the ops' element type (float, c10::BFloat16); G: the GEMM's (float, uint16_t), the same bits.
 template <typename S, typename G>
 struct Step {
@@ -90,6 +58,33 @@ struct Step {
   S *h, *x, *qkv, *att, *gu, *act, *dn;
   std::atomic<int64_t>* attn_next;  // [L]: the next unclaimed attention task of each layer
   SpinBarrier bar;
+  // Mixture-of-Experts layers: their router [E, H] and moe_pack'ed experts (router nullptr: a dense MLP)
+  std::vector<MoeLayer<S>> moe;
+  MoeShape moe_shape{};
+  int64_t top_k = 0;
+  bool renormalize = false;
+  float *topk_weights, *route_scratch, *xf, *moe_act, *moe_weighted;  // xf: bf16 rows widened (nullptr in fp32)
+  int32_t* topk_ids;
+  MoeTasks* moe_tasks;  // [L]
+
+  // The MoE block on x's rows (the post-attention norm's) into dn: each thread routes its own rows, then every
+  // thread takes tasks of the grouped GEMM; the k-way sum leaves each thread its rows rb..re of dn.
+  void moe_mlp(int64_t l, int tid, int nt, int64_t rb, int64_t re) {
+    const MoeLayer<S>& m = moe[l];
+    const int64_t E = moe_shape.E;
+    moe_route_rows<S>(x, H, m.router, E, H, top_k, renormalize, topk_weights, topk_ids, route_scratch + tid * (H + E),
+                      rb, re);
+    const float* xin;
+    if constexpr (std::is_same_v<S, float>) {
+      xin = x;
+    } else {
+      for (int64_t i = rb * H; i < re * H; ++i) xf[i] = to_f(x[i]);
+      xin = xf;
+    }
+    bar.wait(nt);
+    moe_experts_region<S>(moe_shape, xin, H, m.w13, m.w2, topk_weights, topk_ids, T, top_k, moe_act, moe_weighted, dn,
+                          H, moe_tasks[l], bar, tid, nt);
+  }
 
   void gemm(int64_t l, int g, const S* in, int64_t M, const void* w_, const void* b_, int64_t N, int64_t K, S* out,
             int tid, int nt) {
@@ -161,6 +156,10 @@ struct Step {
       bar.wait(nt);
       add_lora(l, 1, att, Hq * D, x, H, rb, re);
       rms_norm_rows<S>(x, H, x, H, res, H, static_cast<const S*>(lw[7]), H, eps, rb, re);
+      if (moe[l].router != nullptr) {  // the next layer's norm reads only this thread's rows of dn
+        moe_mlp(l, tid, nt, rb, re);
+        continue;
+      }
       bar.wait(nt);
       gemm(l, 2, x, T, lw[8], lw[9], 2 * I, H, gu, tid, nt);
       bar.wait(nt);
@@ -181,7 +180,9 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
                          const std::vector<at::Tensor>& weights, const std::vector<at::Tensor>& kv_caches,
                          const std::vector<std::vector<QuantSegment>>& quant, at::Tensor final_norm, int64_t Hq,
                          int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
-                         const std::vector<LoraWeights>& lora, const int32_t* lora_slots) {
+                         const std::vector<LoraWeights>& lora, const int32_t* lora_slots,
+                         const std::vector<at::Tensor>& moe, const MoeShape& moe_shape, int64_t top_k,
+                         bool renormalize) {
   const int64_t T = h.size(0), H = h.size(1), L = (int64_t)kv_caches.size() / 2;
   const auto opt = h.options();
   at::Tensor x = at::empty({T, H}, opt), qkv = at::empty({T, (Hq + 2 * Hkv) * D}, opt);
@@ -205,6 +206,23 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
   st.gu = gu.data_ptr<S>(), st.act = act.data_ptr<S>(), st.dn = out.data_ptr<S>();
   const at::Tensor& kc = kv_caches[0];
   const int nt = std::max(1, at::get_num_threads());
+  // MoE: the routing of the step's rows and the grouped GEMM's scratch, shared by the MoE layers in turn
+  const int64_t E = moe_shape.E, pairs = top_k * T;
+  const auto f32 = opt.dtype(at::kFloat);
+  at::Tensor topk_w = at::empty({pairs}, f32), topk_ids = at::empty({pairs}, opt.dtype(at::kInt));
+  at::Tensor route = at::empty({nt * (H + E)}, f32), xf = at::empty({std::is_same_v<S, float> ? 0 : T * H}, f32);
+  at::Tensor moe_act = at::empty({pairs * moe_shape.Ip}, f32), moe_weighted = at::empty({pairs * moe_shape.Hp}, f32);
+  std::vector<MoeTasks> moe_tasks(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* m = moe.empty() ? nullptr : moe.data() + 3 * l;
+    st.moe.push_back(m && m[0].numel() ? MoeLayer<S>{m[0].data_ptr<S>(), m[1].data_ptr<S>(), m[2].data_ptr<S>()}
+                                       : MoeLayer<S>{nullptr, nullptr, nullptr});
+  }
+  st.moe_shape = moe_shape, st.top_k = top_k, st.renormalize = renormalize;
+  st.topk_weights = topk_w.data_ptr<float>(), st.topk_ids = topk_ids.data_ptr<int32_t>();
+  st.route_scratch = route.data_ptr<float>(), st.xf = xf.numel() ? xf.data_ptr<float>() : nullptr;
+  st.moe_act = moe_act.data_ptr<float>(), st.moe_weighted = moe_weighted.data_ptr<float>();
+  st.moe_tasks = moe_tasks.data();
   const std::vector<int64_t> tiles = attention_tiles(block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                                                      seq_lens.data_ptr<int32_t>(), T, kc.size(1));
   const int64_t num_tiles = (int64_t)tiles.size() - 1;
@@ -244,7 +262,7 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
                    std::vector<at::Tensor> segments, at::Tensor segment_table, std::vector<at::Tensor> lora,
-                   at::Tensor token_slots) {
+                   at::Tensor token_slots, std::vector<at::Tensor> moe, int64_t top_k, bool renormalize) {
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && out.is_contiguous() && out.sizes() == h.sizes() &&
                   out.scalar_type() == h.scalar_type(),
               "h, out: contiguous [T, H]");
@@ -276,6 +294,23 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
     TORCH_CHECK(dt != at::kBFloat16 || K % 2 == 0, "bf16 GEMMs need an even K");
     segs.push_back(QuantSegment{segments[s].data_ptr<uint8_t>(), qtype, start, n});
   }
+  // MoE: (router [E, H], w13, w2 moe_pack'ed) per layer, three empty tensors for a dense layer (or no list at all);
+  // every MoE layer of one shape.
+  TORCH_CHECK(moe.empty() || (int64_t)moe.size() == 3 * L, "moe: 3 tensors per layer");
+  MoeShape moe_s{0, H, 0, 0, 0, 0, 0};
+  std::vector<bool> sparse(L, false);
+  for (int64_t l = 0; l < L && !moe.empty(); ++l) {
+    const at::Tensor* m = moe.data() + 3 * l;
+    if (!m[0].numel()) continue;
+    const MoeShape s = moe_shape(m[1], m[2], H, dt);
+    TORCH_CHECK(moe_s.E == 0 || (s.E == moe_s.E && s.I == moe_s.I), "every MoE layer of one shape");
+    TORCH_CHECK(
+        m[0].dim() == 2 && m[0].is_contiguous() && m[0].scalar_type() == dt && m[0].size(0) == s.E && m[0].size(1) == H,
+        "a router: [E, H] contiguous, h's dtype");
+    TORCH_CHECK(top_k >= 1 && top_k <= s.E, "top_k: 1..E");
+    moe_s = s;
+    sparse[l] = true;
+  }
   for (int64_t l = 0; l < L; ++l) {
     const at::Tensor* lw = weights.data() + l * WEIGHTS_PER_LAYER;
     for (int i = 0; i < WEIGHTS_PER_LAYER; ++i)
@@ -284,6 +319,10 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
     for (int gi = 0; gi < GEMMS_PER_LAYER; ++gi) {
       const int64_t* g = gemm_shapes[gi];
       const auto& segs = quant[l * GEMMS_PER_LAYER + gi];
+      if (sparse[l] && gi >= 2) {  // an MoE layer has no dense MLP
+        TORCH_CHECK(segs.empty() && !lw[g[0]].numel() && !lw[g[0] + 1].numel(), "an MoE layer with a dense MLP");
+        continue;
+      }
       if (segs.empty()) {
         TORCH_CHECK(lw[g[0]].numel() == panel_elems(g[1], g[2]), "a packed weight does not match the model's shape");
       } else {
@@ -346,14 +385,15 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
   if (dt == at::kFloat) {
 #if GEMM_F32
     forward_impl<float, float>(out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights, kv_caches,
-                               quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale, lora_w, lora_slots);
+                               quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale, lora_w, lora_slots, moe, moe_s,
+                               top_k, renormalize);
     return;
 #endif
   } else if (dt == at::kBFloat16) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     forward_impl<c10::BFloat16, uint16_t>(out, h, positions, cos, sin, slot_mapping, block_tables, seq_lens, weights,
                                           kv_caches, quant, final_norm, Hq, Hkv, D, I, eps, qk_eps, scale, lora_w,
-                                          lora_slots);
+                                          lora_slots, moe, moe_s, top_k, renormalize);
     return;
 #endif
   }

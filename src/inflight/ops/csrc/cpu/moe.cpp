@@ -3,14 +3,9 @@
 // a group of output panels). Three passes: gate/up with the activation, down weighted by the router, the k slots
 // summed. Each output sums its K products in order k = 0..K-1 in one fp32 chain, whatever the tile or the panels
 // computed beside it: a row's bits depend on nothing but the row.
-#include <linux/futex.h>
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <x86intrin.h>
 
 #include <atomic>
-#include <climits>
 #include <vector>
 
 #include "common.h"
@@ -200,35 +195,6 @@ static inline void for_tiles(int64_t n, F&& fn) {
   for (int64_t b = 0; b < tiles; ++b) fn(n * b / tiles, (int)(n * (b + 1) / tiles - n * b / tiles));
 }
 
-// The call's threads meet here between passes: a waiter spins first (its peer is microseconds away), then sleeps
-// on a futex until the last one arrives (the cores may be shared, and a spinning waiter takes its peer's).
-struct Barrier {
-  static constexpr uint64_t SPIN_TICKS = 1u << 17;
-  std::atomic<int> arrived{0}, phase{0}, sleepers{0};
-  void wait(int n) {
-    if (n == 1) return;
-    const int ph = phase.load(std::memory_order_acquire);
-    if (arrived.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
-      arrived.store(0, std::memory_order_relaxed);
-      phase.store(ph + 1, std::memory_order_seq_cst);
-      if (sleepers.load(std::memory_order_seq_cst) > 0)
-        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr, nullptr, 0);
-      return;
-    }
-    const uint64_t start = __rdtsc();
-    while (phase.load(std::memory_order_acquire) == ph) {
-      if (__rdtsc() - start < SPIN_TICKS) {
-        _mm_pause();
-        continue;
-      }
-      sleepers.fetch_add(1, std::memory_order_seq_cst);
-      while (phase.load(std::memory_order_seq_cst) == ph)
-        syscall(SYS_futex, reinterpret_cast<int*>(&phase), FUTEX_WAIT_PRIVATE, ph, nullptr, nullptr, 0);
-      sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    }
-  }
-};
-
 // Tasks 0..n-1 claimed in shrinking runs (guided): a thread slowed by a busy core takes fewer, and a run is a stretch
 // of consecutive panels, read in memory order.
 template <typename F>
@@ -243,9 +209,9 @@ static void claim(std::atomic<int64_t>& next, int64_t n, int nt, F&& run) {
   }
 }
 
-// One call: the pairs grouped by expert, then three passes in one parallel region (one wake-up of the pool): gate/up
-// with the activation into act (by grouped position), down weighted into `weighted` (by pair), then each token's k
-// weighted outputs summed in fp32 in top-k order and rounded once.
+// One call: the pairs grouped by expert, then three passes between the region's barriers: gate/up with the
+// activation into act (by grouped position), down weighted into `weighted` (by pair), then each token's k weighted
+// outputs summed in fp32 in top-k order and rounded once.
 template <typename T>
 struct Moe {
   const float* x;  // [tokens, xs] fp32 (bf16 widened once, exact)
@@ -258,8 +224,8 @@ struct Moe {
   float *act, *weighted;
   T* out;
   int64_t os;
-  std::atomic<int64_t> next1{0}, next2{0};
-  Barrier barrier;
+  MoeTasks* next;
+  SpinBarrier* barrier;
 
   // Task t: expert active[t / G1], its panels GROUP * (t % G1).. of w13. Panels outer, tiles inner: the panels come
   // from memory for the first tile and from the caches for the others.
@@ -310,22 +276,35 @@ struct Moe {
     for (int64_t h = 0; h < H; ++h) store_out(out + t * os + h, w[h]);
   }
   void run(int tid, int nt) {
-    claim(next1, A * G1, nt, [&](int64_t b, int64_t e) {
+    claim(next->gate_up, A * G1, nt, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) gate_up(t);
     });
-    barrier.wait(nt);
-    claim(next2, A * G2, nt, [&](int64_t b, int64_t e) {
+    barrier->wait(nt);
+    claim(next->down, A * G2, nt, [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) down(t);
     });
-    barrier.wait(nt);
+    barrier->wait(nt);
     for (int64_t t = tokens * tid / nt; t < tokens * (tid + 1) / nt; ++t) sum(t);
   }
 };
 
+MoeShape moe_shape(const at::Tensor& w13, const at::Tensor& w2, int64_t H, at::ScalarType dt) {
+  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.is_contiguous() && w2.is_contiguous() && w13.scalar_type() == dt &&
+                  w2.scalar_type() == dt,
+              "w13, w2: moe_pack'ed, contiguous, in x's dtype");
+  const int64_t E = w13.size(0), pad = pad_steps(at::elementSize(dt)), I = w2.size(2) - pad;
+  TORCH_CHECK(w13.size(3) == PW && w2.size(3) == PW && w13.size(2) == H + pad && w2.size(0) == E && I > 0 &&
+                  w13.size(1) == (I + VW - 1) / VW && w2.size(1) == (H + PW - 1) / PW,
+              "w13, w2: not moe_pack'ed for this build and x's width");
+  return MoeShape{E, H, I, w13.size(1), w2.size(1), w13.size(1) * VW, w2.size(1) * PW};
+}
+
 template <typename T>
-static void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                           const float* topk_weights, const int32_t* ids, int64_t k, int64_t min_macs_per_thread) {
-  const int64_t tokens = x.size(0), E = w13.size(0), pairs = tokens * k;
+void moe_experts_region(const MoeShape& s, const float* x, int64_t xs, const T* w13, const T* w2,
+                        const float* topk_weights, const int32_t* ids, int64_t tokens, int64_t k, float* act,
+                        float* weighted, T* out, int64_t os, MoeTasks& tasks, SpinBarrier& bar, int tid, int nt) {
+  // Every thread groups the pairs by expert itself (a few hundred integers): the same lists, no barrier.
+  const int64_t E = s.E, pairs = tokens * k;
   std::vector<int64_t> start(E + 1, 0), order(pairs), active;
   for (int64_t p = 0; p < pairs; ++p) ++start[ids[p] + 1];
   for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
@@ -335,46 +314,70 @@ static void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const at::Tenso
     if (start[e + 1] > start[e]) active.push_back(e);  // an idle expert's weights are never read
 
   Moe<T> m;
-  const at::Tensor xf = x.to(at::kFloat);
-  m.x = xf.data_ptr<float>();
-  m.xs = xf.stride(0);
-  m.w13 = w13.data_ptr<T>();
-  m.w2 = w2.data_ptr<T>();
+  m.x = x;
+  m.xs = xs;
+  m.w13 = w13;
+  m.w2 = w2;
   m.topk_weights = topk_weights;
   m.tokens = tokens;
   m.k = k;
-  m.H = x.size(1);
+  m.H = s.H;
   m.pad = pad_steps(sizeof(T));
-  m.I = w2.size(2) - m.pad;
-  m.P1 = w13.size(1);
-  m.P2 = w2.size(1);
+  m.I = s.I;
+  m.P1 = s.P1;
+  m.P2 = s.P2;
   m.G1 = (m.P1 + GROUP - 1) / GROUP;
   m.G2 = (m.P2 + GROUP - 1) / GROUP;
-  m.Ip = m.P1 * VW;
-  m.Hp = m.P2 * PW;
+  m.Ip = s.Ip;
+  m.Hp = s.Hp;
   m.start = start.data();
   m.order = order.data();
   m.active = active.data();
   m.A = (int64_t)active.size();
-  const at::Tensor act = at::empty({pairs, m.Ip}, x.options().dtype(at::kFloat));
-  const at::Tensor weighted = at::empty({pairs, m.Hp}, x.options().dtype(at::kFloat));
-  m.act = act.data_ptr<float>();
-  m.weighted = weighted.data_ptr<float>();
-  m.out = out.data_ptr<T>();
-  m.os = out.stride(0);
+  m.act = act;
+  m.weighted = weighted;
+  m.out = out;
+  m.os = os;
+  m.next = &tasks;
+  m.barrier = &bar;
+  m.run(tid, nt);
+}
 
+template void moe_experts_region<float>(const MoeShape&, const float*, int64_t, const float*, const float*,
+                                        const float*, const int32_t*, int64_t, int64_t, float*, float*, float*, int64_t,
+                                        MoeTasks&, SpinBarrier&, int, int);
+template void moe_experts_region<c10::BFloat16>(const MoeShape&, const float*, int64_t, const c10::BFloat16*,
+                                                const c10::BFloat16*, const float*, const int32_t*, int64_t, int64_t,
+                                                float*, float*, c10::BFloat16*, int64_t, MoeTasks&, SpinBarrier&, int,
+                                                int);
+
+template <typename T>
+static void fused_moe_impl(at::Tensor& out, const at::Tensor& x, const MoeShape& s, const at::Tensor& w13,
+                           const at::Tensor& w2, const float* topk_weights, const int32_t* ids, int64_t k,
+                           int64_t min_macs_per_thread) {
+  const int64_t tokens = x.size(0), pairs = tokens * k;
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor act = at::empty({pairs, s.Ip}, x.options().dtype(at::kFloat));
+  const at::Tensor weighted = at::empty({pairs, s.Hp}, x.options().dtype(at::kFloat));
+  MoeTasks tasks;
+  SpinBarrier bar;
+  const auto run = [&](int tid, int nt) {
+    moe_experts_region<T>(s, xf.data_ptr<float>(), xf.stride(0), w13.data_ptr<T>(), w2.data_ptr<T>(), topk_weights, ids,
+                          tokens, k, act.data_ptr<float>(), weighted.data_ptr<float>(), out.data_ptr<T>(),
+                          out.stride(0), tasks, bar, tid, nt);
+  };
   // A sleeping pool costs tens of microseconds to wake: a small call stays on the calling thread.
-  const int64_t macs = pairs * 3 * m.H * m.I;
+  const int64_t macs = pairs * 3 * s.H * s.I;
   const int nt = at::in_parallel_region()
                      ? 1
                      : (int)std::min<int64_t>(at::get_num_threads(),
                                               std::max<int64_t>(1, macs / std::max<int64_t>(1, min_macs_per_thread)));
   if (nt == 1) {
-    m.run(0, 1);
+    run(0, 1);
     return;
   }
 #pragma omp parallel num_threads(nt)
-  m.run(omp_get_thread_num(), omp_get_num_threads());
+  run(omp_get_thread_num(), omp_get_num_threads());
 }
 
 // out [T, H] = each token through its k experts (topk_ids int32 [T, k]) weighted by topk_weights (fp32 [T, k]),
@@ -388,13 +391,8 @@ void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::
   const int64_t T_ = x.size(0), H = x.size(1);
   TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "fused_moe: fp32 or bf16");
   TORCH_CHECK(out.scalar_type() == dt && out.size(0) == T_ && out.size(1) == H, "out: [T, H] in x's dtype");
-  TORCH_CHECK(w13.dim() == 4 && w2.dim() == 4 && w13.is_contiguous() && w2.is_contiguous() && w13.scalar_type() == dt &&
-                  w2.scalar_type() == dt,
-              "w13, w2: moe_pack'ed, contiguous, in x's dtype");
-  const int64_t E = w13.size(0), pad = pad_steps(x.element_size()), I = w2.size(2) - pad;
-  TORCH_CHECK(w13.size(3) == PW && w2.size(3) == PW && w13.size(2) == H + pad && w2.size(0) == E && I > 0 &&
-                  w13.size(1) == (I + VW - 1) / VW && w2.size(1) == (H + PW - 1) / PW,
-              "w13, w2: not moe_pack'ed for this build and x's width");
+  const MoeShape shape = moe_shape(w13, w2, H, dt);
+  const int64_t E = shape.E;
   TORCH_CHECK(
       topk_ids.scalar_type() == at::kInt && topk_ids.is_contiguous() && topk_ids.dim() == 2 && topk_ids.size(0) == T_,
       "topk_ids: int32 [T, k]");
@@ -409,9 +407,9 @@ void fused_moe(at::Tensor out, at::Tensor x, at::Tensor w13, at::Tensor w2, at::
     return;
   }
   if (dt == at::kFloat)
-    fused_moe_impl<float>(out, x, w13, w2, topk_weights.data_ptr<float>(), ids, k, min_macs_per_thread);
+    fused_moe_impl<float>(out, x, shape, w13, w2, topk_weights.data_ptr<float>(), ids, k, min_macs_per_thread);
   else
-    fused_moe_impl<c10::BFloat16>(out, x, w13, w2, topk_weights.data_ptr<float>(), ids, k, min_macs_per_thread);
+    fused_moe_impl<c10::BFloat16>(out, x, shape, w13, w2, topk_weights.data_ptr<float>(), ids, k, min_macs_per_thread);
 }
 
 // w [E, N, K] (fp32 or bf16) -> [E, P, K + pad_steps, PW]: panels of two vectors a step, zero past the outputs and

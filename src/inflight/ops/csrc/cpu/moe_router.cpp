@@ -47,6 +47,17 @@ __attribute__((noinline)) static void route_row(const T* x, const T* w, int64_t 
     for (int64_t j = 0; j < k; ++j) weights[j] /= total;
 }
 
+template <typename T>
+void moe_route_rows(const T* x, int64_t xs, const T* w, int64_t E, int64_t H, int64_t k, bool renormalize,
+                    float* weights, int32_t* ids, float* scratch, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t)
+    route_row<T>(x + t * xs, w, E, H, k, renormalize, scratch, scratch + H, weights + t * k, ids + t * k);
+}
+template void moe_route_rows<float>(const float*, int64_t, const float*, int64_t, int64_t, int64_t, bool, float*,
+                                    int32_t*, float*, int64_t, int64_t);
+template void moe_route_rows<c10::BFloat16>(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t, int64_t,
+                                            int64_t, bool, float*, int32_t*, float*, int64_t, int64_t);
+
 // topk_weights fp32 [T, k] and topk_ids int32 [T, k] of x [T, H] (rows contiguous) under the router weight [E, H]
 // in x's dtype. Rows are split across threads only past min_macs_per_thread multiply-adds a thread.
 void moe_route(at::Tensor topk_weights, at::Tensor topk_ids, at::Tensor x, at::Tensor weight, bool renormalize,
@@ -73,8 +84,7 @@ void moe_route(at::Tensor topk_weights, at::Tensor topk_ids, at::Tensor x, at::T
     const T* wp = static_cast<const T*>(weight.data_ptr());
     at::parallel_for(0, T_, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(H + E);
-      for (int64_t t = begin; t < end; ++t)
-        route_row<T>(xp + t * xs, wp, E, H, k, renormalize, scratch.data(), scratch.data() + H, wo + t * k, io + t * k);
+      moe_route_rows<T>(xp, xs, wp, E, H, k, renormalize, wo, io, scratch.data(), begin, end);
     });
   };
   if (dt == at::kFloat)

@@ -10,6 +10,8 @@
 #include <optional>
 #include <vector>
 
+#include "barrier.h"
+
 // ---- ops (one file each) ----
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
@@ -49,7 +51,7 @@ void llama_forward(at::Tensor out, at::Tensor h, at::Tensor positions, at::Tenso
                    std::vector<at::Tensor> weights, std::vector<at::Tensor> kv_caches, at::Tensor final_norm,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t I, double eps, double qk_eps, double scale,
                    std::vector<at::Tensor> segments, at::Tensor segment_table, std::vector<at::Tensor> lora,
-                   at::Tensor token_slots);
+                   at::Tensor token_slots, std::vector<at::Tensor> moe, int64_t top_k, bool renormalize);
 
 // ---- bodies over rows begin..end; inputs already checked (nothing here throws) ----
 template <typename T>
@@ -79,6 +81,29 @@ void lora_rows(T* out, int64_t os, const T* x, int64_t xs, const LoraWeights& w,
 // The checked view of a linear's slots for x [T, K] -> out [T, N], and each row's slot in -1..L-1 (these throw).
 LoraWeights lora_weights(const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets, int64_t K, int64_t N);
 void check_lora_slots(const at::Tensor& token_slots, int64_t T, int64_t L);
+
+// Mixture-of-Experts. The router over rows begin..end: each row's top-k weights (fp32) and experts (moe_route's body;
+// scratch: H + E floats).
+template <typename T>
+void moe_route_rows(const T* x, int64_t xs, const T* w, int64_t E, int64_t H, int64_t k, bool renormalize,
+                    float* weights, int32_t* ids, float* scratch, int64_t begin, int64_t end);
+// A layer's moe_pack'ed experts: E experts of width I over H, in P1 gate/up and P2 down panels; a pair's scratch
+// is Ip floats of activations and Hp of weighted outputs.
+struct MoeShape {
+  int64_t E, H, I, P1, P2, Ip, Hp;
+};
+MoeShape moe_shape(const at::Tensor& w13, const at::Tensor& w2, int64_t H, at::ScalarType dt);  // checks; throws
+struct MoeTasks {  // the next unclaimed task of each pass: fresh for each call
+  std::atomic<int64_t> gate_up{0}, down{0};
+};
+// fused_moe's body, called by every thread of a parallel region with the same arguments: tokens x (fp32 [tokens,
+// xs]) through their k experts (ids, topk_weights [tokens, k]), act [tokens * k, Ip] and weighted [tokens * k, Hp]
+// fp32 scratch. Thread tid writes out's rows tokens * tid / nt .. tokens * (tid + 1) / nt, the only rows it may read
+// after the call without a barrier.
+template <typename T>
+void moe_experts_region(const MoeShape& s, const float* x, int64_t xs, const T* w13, const T* w2,
+                        const float* topk_weights, const int32_t* ids, int64_t tokens, int64_t k, float* act,
+                        float* weighted, T* out, int64_t os, MoeTasks& tasks, SpinBarrier& bar, int tid, int nt);
 
 void check_positions(const int64_t* pos, int64_t n, int64_t max_pos);
 void check_slots(const int64_t* slots, int64_t n, int64_t num_slots);
