@@ -69,8 +69,11 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
   float* __restrict__ sc = s.sc;
   if constexpr (SIMD) {
 #if HAVE_SIMD_ATTENTION && !defined(__AVX512F__)
-    // Eight tokens at a time, as the AVX-512 pass below does sixteen.
-    constexpr int C = D_FIXED / 8;
+    // Eight tokens at a time, as the AVX-512 pass below does sixteen. The query's vectors are held four at a
+    // time across the eight tokens (12 of the 16 registers), so that a multiply-add loads only the key: each
+    // score still adds its chunks in order.
+    constexpr int C = D_FIXED / 8, QH = C < 4 ? C : 4;
+    static_assert(C % QH == 0, "head sizes of whole groups of four vectors");
     const int64_t passes = nh * G * ((n + 7) / 8), share = (s.pf_n + passes - 1) / passes;
     int64_t pf_i = 0;
     for (int64_t hh = 0; hh < nh; ++hh) {
@@ -82,14 +85,16 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
           const float* __restrict__ qx = q + x * D;
           __m256 v[8];
           for (const int64_t e = std::min(s.pf_n, pf_i + share); pf_i < e; ++pf_i) __builtin_prefetch(s.pf[pf_i]);
-          for (int64_t i = 0; i < 8; ++i) {
-            if (i >= nc) {
-              v[i] = _mm256_setzero_ps();
-              continue;
+          for (int64_t i = nc; i < 8; ++i) v[i] = _mm256_setzero_ps();
+          for (int c0 = 0; c0 < C; c0 += QH) {
+            __m256 qc[QH];
+            for (int c = 0; c < QH; ++c) qc[c] = _mm256_loadu_ps(qx + 8 * (c0 + c));
+            for (int64_t i = 0; i < nc; ++i) {
+              const kv_t* __restrict__ k = k0 + i * row_stride + 8 * c0;
+              int c = 0;
+              if (c0 == 0) v[i] = _mm256_mul_ps(qc[0], load8(k)), c = 1;
+              for (; c < QH; ++c) v[i] = _mm256_fmadd_ps(qc[c], load8(k + 8 * c), v[i]);
             }
-            const kv_t* __restrict__ k = k0 + i * row_stride;
-            v[i] = _mm256_mul_ps(_mm256_loadu_ps(qx), load8(k));
-            for (int c = 1; c < C; ++c) v[i] = _mm256_fmadd_ps(_mm256_loadu_ps(qx + 8 * c), load8(k + 8 * c), v[i]);
           }
           alignas(32) float sums[8];
           _mm256_store_ps(sums, sum8(v));
@@ -165,19 +170,45 @@ __attribute__((noinline)) static void row_block(const RowState& s, const kv_t* _
   }
   if constexpr (SIMD) {
 #if HAVE_SIMD_ATTENTION && !defined(__AVX512F__)
-    // One head at a time (sixteen registers hold one head's accumulators, not two), each accumulator adding its
-    // tokens in order.
-    constexpr int C = D_FIXED / 8;
-    for (int64_t x = 0; x < nh * G; ++x) {
-      const int64_t hh = x / G;
-      __m256 a[C];
-      for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + x * D + 8 * c);
-      for (int64_t i = 0; i < n; ++i) {
-        const __m256 p = _mm256_set1_ps(sc[x * bs + i]);
-        const kv_t* __restrict__ v = vb + i * row_stride + hh * D;
-        for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
+    // Two heads of a GQA group at a time, four vectors of each (twelve registers with the V loads and the two
+    // weights): the heads share each V load, and each accumulator still adds its tokens in order.
+    constexpr int C = D_FIXED / 8, QH = C < 4 ? C : 4;
+    for (int64_t hh = 0; hh < nh; ++hh) {
+      int64_t g = 0;
+      for (; g + 1 < G; g += 2) {
+        const int64_t x0 = hh * G + g, x1 = x0 + 1;
+        for (int c0 = 0; c0 < C; c0 += QH) {
+          __m256 a0[QH], a1[QH];
+          for (int c = 0; c < QH; ++c) {
+            a0[c] = _mm256_loadu_ps(acc + x0 * D + 8 * (c0 + c));
+            a1[c] = _mm256_loadu_ps(acc + x1 * D + 8 * (c0 + c));
+          }
+          for (int64_t i = 0; i < n; ++i) {
+            const __m256 p0 = _mm256_set1_ps(sc[x0 * bs + i]), p1 = _mm256_set1_ps(sc[x1 * bs + i]);
+            const kv_t* __restrict__ v = vb + i * row_stride + hh * D + 8 * c0;
+            for (int c = 0; c < QH; ++c) {
+              const __m256 vc = load8(v + 8 * c);
+              a0[c] = _mm256_fmadd_ps(p0, vc, a0[c]);
+              a1[c] = _mm256_fmadd_ps(p1, vc, a1[c]);
+            }
+          }
+          for (int c = 0; c < QH; ++c) {
+            _mm256_storeu_ps(acc + x0 * D + 8 * (c0 + c), a0[c]);
+            _mm256_storeu_ps(acc + x1 * D + 8 * (c0 + c), a1[c]);
+          }
+        }
       }
-      for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + x * D + 8 * c, a[c]);
+      for (; g < G; ++g) {
+        const int64_t x = hh * G + g;
+        __m256 a[C];
+        for (int c = 0; c < C; ++c) a[c] = _mm256_loadu_ps(acc + x * D + 8 * c);
+        for (int64_t i = 0; i < n; ++i) {
+          const __m256 p = _mm256_set1_ps(sc[x * bs + i]);
+          const kv_t* __restrict__ v = vb + i * row_stride + hh * D;
+          for (int c = 0; c < C; ++c) a[c] = _mm256_fmadd_ps(p, load8(v + 8 * c), a[c]);
+        }
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(acc + x * D + 8 * c, a[c]);
+      }
     }
 #elif HAVE_SIMD_ATTENTION
     // Each head's accumulator stays in registers across the block's V rows. Two heads of a GQA group at a
