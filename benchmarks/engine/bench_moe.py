@@ -18,19 +18,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from benchmarks.common.host import describe_host
 from benchmarks.common.models import resolve_model
 from benchmarks.engine.bench_decode_step import measure_floors, time_step
 from inflight.config import DTYPES
+from inflight.executor.attention.metadata import consecutive_batch
 from inflight.executor.model_runner import ModelRunner
 from inflight.models.loader import load_model
-from inflight.models.moe import FusedExperts
-from inflight.ops import reference
+from inflight.models.moe import FusedExperts, SparseMoeBlock
+from inflight.ops import cpu, reference
 
 RESULTS = Path("benchmarks/results")
 
@@ -60,6 +63,45 @@ def step_bytes(model, cfg, rows: int, context: int, dtype: torch.dtype, experts_
             "per_expert": per_expert, "moe_layers": len(stacks)}  # fmt: skip
 
 
+def time_parts(runner: ModelRunner, rows: int, context: int, repeats: int) -> dict[str, float]:
+    """Median ms of a decode step's parts, each alone: the layer stack without the output layer, the output layer,
+    every MoE layer's router and experts (the per-op C++ calls), every layer's attention."""
+    model, cfg = runner.model, runner.model.cfg
+    positions, meta, _ = consecutive_batch([context] * rows, [1] * rows, runner.block_size, runner.device)
+    ids = torch.randint(0, cfg.vocab_size, (rows,))
+    h = torch.randn(rows, cfg.hidden_size, dtype=model.model.norm.weight.dtype)
+    blocks = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+    q = torch.randn(rows, cfg.num_attention_heads, cfg.head_dim, dtype=model.model.norm.weight.dtype)
+    scale = cfg.head_dim**-0.5
+
+    def experts() -> None:
+        for b in blocks:
+            b(h, meta, runner.ops)
+
+    def attention() -> None:
+        for k, v in runner.kv_caches:
+            cpu.paged_attention(q, k, v, meta.block_tables, meta.seq_lens, scale)
+
+    def fresh():
+        return consecutive_batch([context] * rows, [1] * rows, runner.block_size, runner.device)[1]
+
+    parts = {"layer stack": lambda: runner.forward(ids, positions, fresh()),
+             "output layer": lambda: model.compute_logits(h), "routers and experts": experts,
+             "attention": attention}  # fmt: skip
+    out = {}
+    with torch.inference_mode():
+        for name, fn in parts.items():
+            for _ in range(2):
+                fn()
+            seconds = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn()
+                seconds.append(time.perf_counter() - t0)
+            out[name] = float(np.median(seconds)) * 1e3
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="moe32")
@@ -67,6 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--parts", action="store_true", help="also time a step's parts alone at each batch")
     args = p.parse_args(argv)
     dtype = DTYPES[args.dtype]
     model, cfg = load_model(resolve_model(args.model), dtype, "cpu")
@@ -102,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
                 "floor_compute_ms": compute_floor * 1e3, "x_floor": t / max(bw_floor, compute_floor),
                 "per_op_ms": None if t_per_op is None else t_per_op * 1e3,
                 "torch_loop_ms": t_loop * 1e3, "vs_torch_loop": t_loop / t}  # fmt: skip
+        if args.parts:
+            step["parts_ms"] = time_parts(runner, rows, args.context, args.repeats)
+            print("        parts alone: " + ", ".join(f"{k} {v:.2f} ms" for k, v in step["parts_ms"].items()))
         result["steps"].append(step)
         print(f"  {rows:>3} rows: {t * 1e3:7.2f} ms | {touched:4.1f} experts/layer, bytes floor "
               f"{bw_floor * 1e3:6.2f} ms ({t / bw_floor:.2f}x), compute floor {compute_floor * 1e3:6.2f} ms, "
