@@ -192,10 +192,10 @@ def test_requests_over_the_in_flight_bound_get_429_with_retry_after():
     ],
 )
 def test_prompt_token_ids_and_batches_are_bounded_without_validating_millions_of_items(prompt, match):
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: a busy machine does not inflate it
     with pytest.raises(ValidationError) as info:
         CompletionRequest.model_validate({"model": "llm", "prompt": prompt})
-    assert time.perf_counter() - start < 0.5
+    assert time.process_time() - start < 0.5
     error = info.value.errors()[0]
     assert error["loc"] == ("prompt",) and match in error["msg"]
 
@@ -223,10 +223,10 @@ def test_lists_over_their_bound_name_the_field_and_the_limit(field, value, limit
 def test_a_huge_invalid_list_gets_a_short_400(demo_model_dir):
     app = create_app("localhost:1", model_dir=demo_model_dir)
     body = json.dumps({"model": "llm", "messages": [{"role": "user", "content": "hi"}] * 200_000}).encode()
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU time: a busy machine does not inflate it
     status, _, out, _ = asyncio.run(call(app, path="/v1/chat/completions", chunks=[body],
                                          headers=(("content-type", "application/json"),)))  # fmt: skip
-    assert status == 400 and time.perf_counter() - start < 2.0
+    assert status == 400 and time.process_time() - start < 2.0
     assert len(out) < 2000, out[:300]  # the input is not echoed back whole
     assert error_of(out)["param"] == "messages" and str(MAX_MESSAGES) in error_of(out)["message"]
 
