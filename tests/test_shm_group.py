@@ -7,6 +7,7 @@ fails a call that waits. The engine over two ranks: tests/test_tensor_parallel.p
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
 import traceback
 from pathlib import Path
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from inflight.executor.shm_group import SHM_DIR, ShmGroup, join_shm
+from inflight.executor.shm_group import SEGMENT_PREFIX, SHM_DIR, ShmGroup, join_shm, remove_orphans
 from inflight.ops import cpu
 
 pytestmark = pytest.mark.skipif(not cpu.available(), reason="the shared-memory collectives are C++ ops")
@@ -211,3 +212,18 @@ def test_join_unlinks_the_segment_once_every_rank_has_mapped_it(enabled):
     for t in threads:
         t.join(TIMEOUT_S)
     assert all(torch.equal(o, torch.full((3,), 6.0)) for o in outs)
+
+
+def test_a_segment_whose_rank_0_is_gone_is_removed_by_the_next(tmp_path):
+    """A rank 0 killed before its barrier leaves its segment in /dev/shm; the next rank 0 removes it (and leaves a
+    living process's segment alone)."""
+    gone = multiprocessing.get_context("spawn").Process(target=int)
+    gone.start()
+    gone.join()
+    orphan = tmp_path / f"{SEGMENT_PREFIX}{gone.pid}-0a1b2c3d"
+    alive = tmp_path / f"{SEGMENT_PREFIX}{os.getpid()}-0a1b2c3d"
+    other = tmp_path / "not-ours-1"
+    for path in (orphan, alive, other):
+        path.write_bytes(b"x")
+    assert remove_orphans(tmp_path) == [orphan]
+    assert not orphan.exists() and alive.exists() and other.exists()

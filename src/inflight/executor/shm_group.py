@@ -4,8 +4,10 @@ and the logits' gather to rank 0, both C++ ops (csrc/cpu/shm.h lays the segment 
 
 Rank 0 creates the segment in /dev/shm once the process group has formed and publishes its name in the group's
 store; the other ranks map it, and once every rank has (a barrier of the process group) rank 0 unlinks it, so
-nothing is left in /dev/shm whatever later ends the ranks. A rank that does not arrive within the timeout fails
-the collective on the others; `abort` fails every rank's at once (rank 0 calls it when it sees a rank die).
+nothing is left in /dev/shm whatever later ends the ranks. A rank 0 killed before that barrier leaves its segment
+behind: the next rank 0 removes the segments of processes that are gone (`remove_orphans`). A rank that does not
+arrive within the timeout fails the collective on the others; `abort` fails every rank's at once (rank 0 calls it
+when it sees a rank die).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = Path("/dev/shm")
 SLOT_BYTES = 1 << 20  # a rank's slot in each of two banks; a larger tensor goes through in slot-sized chunks
 STORE_KEY = "inflight/shm_segment"
+SEGMENT_PREFIX = "inflight-tp-"  # then rank 0's pid and a random suffix
 OFF_VARIABLE = "INFLIGHT_TP_SHM"  # "0": the CPU ranks keep gloo
 _LINE = 64  # one flag word a cache line
 
@@ -77,6 +80,17 @@ class ShmGroup:
         self.flags[0, 0] = 1
 
 
+def remove_orphans(directory: Path = SHM_DIR) -> list[Path]:
+    """Unlinks the segments whose creator (the pid in the name) is no longer running; returns them."""
+    removed = []
+    for path in directory.glob(f"{SEGMENT_PREFIX}*"):
+        pid = path.name[len(SEGMENT_PREFIX) :].split("-")[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
 def join_shm(store, rank: int, size: int, group, timeout_s: float, enabled: bool = True) -> ShmGroup | None:
     """This rank's ShmGroup, or None where the ranks keep the process group: rank 0 decides (`enabled`,
     INFLIGHT_TP_SHM not "0", the C++ ops built, room in /dev/shm) and the others follow. Every rank calls it
@@ -84,7 +98,9 @@ def join_shm(store, rank: int, size: int, group, timeout_s: float, enabled: bool
     shm = None
     if rank == 0:
         if enabled and os.environ.get(OFF_VARIABLE) != "0" and cpu.available():
-            path = SHM_DIR / f"inflight-tp-{os.getpid()}-{secrets.token_hex(4)}"
+            for orphan in remove_orphans():
+                log.info("tensor parallel: removed %s, left by a rank 0 that is gone", orphan)
+            path = SHM_DIR / f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
             try:
                 shm = ShmGroup(path, 0, size, timeout_s, create=True)
             except OSError as e:
