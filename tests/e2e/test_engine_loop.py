@@ -365,3 +365,19 @@ def _wait(condition, timeout_s: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_a_stopping_loop_makes_no_metric_update(demo_model_dir):
+    """Stopping is the model unloading: a metric update then is a call into a server that is unloading the model
+    (python_backend's stub may die of it, and the server waits out its exit timeout)."""
+    calls, stopping = [], threading.Event()
+    loop = EngineLoop(spec(demo_model_dir, "faulty_engines:SlowEngine"),
+                      on_iteration=lambda state, counts: calls.append(stopping.is_set()),
+                      metrics_interval_s=600.0).start()  # fmt: skip
+    rec = submit(loop, max_tokens=200, ignore_eos=True)
+    assert rec.started.wait(30) and _wait(lambda: calls)  # published as work began
+    assert _wait(lambda: len(rec.outputs) >= 20)  # steps since: counts not yet published
+    stopping.set()
+    assert loop.stop(timeout_s=10)
+    assert rec.done.is_set() and rec.error[0] is ErrorKind.UNAVAILABLE
+    assert calls and True not in calls, calls

@@ -326,7 +326,8 @@ class EngineLoop:
                 active_requests, self._active = self._active, {}
             for active in active_requests.values():
                 active.fail(ErrorKind.UNAVAILABLE, "the model is shutting down")
-            self._publish()
+            if not self._stopping.is_set():  # stopping: the model unloads, and no metric call may reach the server
+                self._publish()
 
     def _read_core_messages(self, messages: list) -> list[tuple[_ActiveRequest, RequestOutput | Failure]]:
         """The core's messages -> (active, output or failure) in order; active_requests of finished requests leave."""

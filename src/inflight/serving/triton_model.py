@@ -343,12 +343,15 @@ class TritonPythonModel:
         )
 
     def finalize(self) -> None:
+        started = time.monotonic()
+        log.info("unloading: stopping the engine")
         health = getattr(self, "health", None)
         if health is not None and not health.stop(wait_s=10.0):
             log.warning("the readiness companion's thread is still in a Triton call after 10 s")
         loop = getattr(self, "loop", None)
         if loop is not None and not loop.stop(timeout_s=10.0):
             log.warning("the responder thread is still busy after 10 s; leaving it behind")
+        log.info("engine stopped in %.1f s", time.monotonic() - started)
 
 
 class _AdminWriter:
