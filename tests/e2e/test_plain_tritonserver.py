@@ -27,7 +27,9 @@ from inflight import SamplingParams
 from inflight.launcher.server import default_model_repository, free_ports, set_parameters
 from inflight.launcher.triton_dist import find_server, prepare_backends, server_env
 
-MAX_TOKENS = 48
+# Long enough that the responder's polls see the answer in several parts even on a busy machine (it merges the
+# tokens a request got between two polls into one response).
+MAX_TOKENS = 160
 READY_TIMEOUT_S = 240  # loading the model (and building the C++ ops once) on a busy 2-core machine
 
 
@@ -97,7 +99,7 @@ def _stream(grpc_url: str, prompt: str) -> list[str]:
         t.set_data_from_numpy(np.array([value], dtype=np.object_ if datatype == "BYTES" else np.bool_))
         return t
 
-    sampling = f'{{"temperature": 0, "max_tokens": {MAX_TOKENS}}}'
+    sampling = f'{{"temperature": 0, "max_tokens": {MAX_TOKENS}, "ignore_eos": true}}'
     inputs = [
         tensor("text_input", prompt.encode(), "BYTES"),
         tensor("stream", True, "BOOL"),
@@ -123,7 +125,7 @@ def _stream(grpc_url: str, prompt: str) -> list[str]:
 
 def test_plain_tritonserver_streams_the_offline_greedy_answer(plain_server, offline_llm):
     prompt = PROMPTS[2]
-    (expected,) = offline_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
+    (expected,) = offline_llm.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
     deltas = _stream(plain_server, prompt)
     assert "".join(deltas) == expected.text
     assert sum(bool(d) for d in deltas) > 1, "the answer came in one response: not streamed"
