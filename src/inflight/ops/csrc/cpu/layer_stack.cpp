@@ -63,9 +63,10 @@ struct Step {
   MoeShape moe_shape{};
   int64_t top_k = 0;
   bool renormalize = false;
-  float *topk_weights, *route_scratch, *xf, *moe_act, *moe_weighted;  // xf: bf16 rows widened (nullptr in fp32)
-  int32_t* topk_ids;
-  MoeTasks* moe_tasks;  // [L]
+  float *topk_weights = nullptr, *route_scratch = nullptr, *xf = nullptr;  // xf: bf16 rows widened (none in fp32)
+  float *moe_act = nullptr, *moe_weighted = nullptr;
+  int32_t* topk_ids = nullptr;
+  MoeTasks* moe_tasks = nullptr;  // [L]
 
   // The MoE block on x's rows (the post-attention norm's) into dn: each thread routes its own rows, then every
   // thread takes tasks of the grouped GEMM; the k-way sum leaves each thread its rows rb..re of dn.
@@ -206,23 +207,27 @@ static void forward_impl(at::Tensor out, at::Tensor h, at::Tensor positions, at:
   st.gu = gu.data_ptr<S>(), st.act = act.data_ptr<S>(), st.dn = out.data_ptr<S>();
   const at::Tensor& kc = kv_caches[0];
   const int nt = std::max(1, at::get_num_threads());
-  // MoE: the routing of the step's rows and the grouped GEMM's scratch, shared by the MoE layers in turn
-  const int64_t E = moe_shape.E, pairs = top_k * T;
-  const auto f32 = opt.dtype(at::kFloat);
-  at::Tensor topk_w = at::empty({pairs}, f32), topk_ids = at::empty({pairs}, opt.dtype(at::kInt));
-  at::Tensor route = at::empty({nt * (H + E)}, f32), xf = at::empty({std::is_same_v<S, float> ? 0 : T * H}, f32);
-  at::Tensor moe_act = at::empty({pairs * moe_shape.Ip}, f32), moe_weighted = at::empty({pairs * moe_shape.Hp}, f32);
-  std::vector<MoeTasks> moe_tasks(L);
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* m = moe.empty() ? nullptr : moe.data() + 3 * l;
-    st.moe.push_back(m && m[0].numel() ? MoeLayer<S>{m[0].data_ptr<S>(), m[1].data_ptr<S>(), m[2].data_ptr<S>()}
-                                       : MoeLayer<S>{nullptr, nullptr, nullptr});
+  // MoE: the routing of the step's rows and the grouped GEMM's scratch, shared by the MoE layers in turn (a dense
+  // model allocates none of it)
+  at::Tensor topk_w, topk_ids, route, xf, moe_act, moe_weighted;
+  std::vector<MoeTasks> moe_tasks(moe.empty() ? 0 : L);
+  st.moe.assign(L, MoeLayer<S>{nullptr, nullptr, nullptr});
+  if (!moe.empty()) {
+    const int64_t E = moe_shape.E, pairs = top_k * T;
+    const auto f32 = opt.dtype(at::kFloat);
+    topk_w = at::empty({pairs}, f32), topk_ids = at::empty({pairs}, opt.dtype(at::kInt));
+    route = at::empty({nt * (H + E)}, f32), xf = at::empty({std::is_same_v<S, float> ? 0 : T * H}, f32);
+    moe_act = at::empty({pairs * moe_shape.Ip}, f32), moe_weighted = at::empty({pairs * moe_shape.Hp}, f32);
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* m = moe.data() + 3 * l;
+      if (m[0].numel()) st.moe[l] = MoeLayer<S>{m[0].data_ptr<S>(), m[1].data_ptr<S>(), m[2].data_ptr<S>()};
+    }
+    st.moe_shape = moe_shape, st.top_k = top_k, st.renormalize = renormalize;
+    st.topk_weights = topk_w.data_ptr<float>(), st.topk_ids = topk_ids.data_ptr<int32_t>();
+    st.route_scratch = route.data_ptr<float>(), st.xf = xf.numel() ? xf.data_ptr<float>() : nullptr;
+    st.moe_act = moe_act.data_ptr<float>(), st.moe_weighted = moe_weighted.data_ptr<float>();
+    st.moe_tasks = moe_tasks.data();
   }
-  st.moe_shape = moe_shape, st.top_k = top_k, st.renormalize = renormalize;
-  st.topk_weights = topk_w.data_ptr<float>(), st.topk_ids = topk_ids.data_ptr<int32_t>();
-  st.route_scratch = route.data_ptr<float>(), st.xf = xf.numel() ? xf.data_ptr<float>() : nullptr;
-  st.moe_act = moe_act.data_ptr<float>(), st.moe_weighted = moe_weighted.data_ptr<float>();
-  st.moe_tasks = moe_tasks.data();
   const std::vector<int64_t> tiles = attention_tiles(block_tables.data_ptr<int32_t>(), block_tables.stride(0),
                                                      seq_lens.data_ptr<int32_t>(), T, kc.size(1));
   const int64_t num_tiles = (int64_t)tiles.size() - 1;
